@@ -1,0 +1,5 @@
+"""W4A16 NVFP4 quantization config for vLLM (placeholder)."""
+
+
+def register() -> list[str]:
+    return []
