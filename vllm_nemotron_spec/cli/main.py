@@ -1,0 +1,56 @@
+"""``vllm-nemotron-spec``: the command-line front end.
+
+Each subcommand lives in its own module of this package and exposes ``add_parser(subparsers)``,
+which adds its parser and sets ``func`` to the function that runs it. Modules are imported only to
+build their parsers, so they must keep heavy imports (torch, vLLM) inside their run functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ("make_tiny", "demo", "inspect", "bench", "quantize", "vllm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm_nemotron_spec import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="vllm-nemotron-spec",
+        description=(
+            "Speculative decoding of NVIDIA Nemotron 3.5 Lightning with its DFlash / DSpark "
+            "drafts in vLLM. The plugin itself needs no command: installing the package makes "
+            "`vllm serve`, `LLM(...)` and `vllm bench serve` pick it up. These commands build the "
+            "tiny local model family, run the demo, and wrap vLLM's CLI."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"vllm_nemotron_spec.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"vllm_nemotron_spec.cli.{name}":
+                continue  # subcommand not shipped in this build
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "command", None) is None:
+        parser.print_help()
+        return 2
+    if extra and not getattr(args, "accepts_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "accepts_extra_args", False):
+        args.extra_args = extra
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
