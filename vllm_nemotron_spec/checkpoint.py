@@ -1,0 +1,474 @@
+"""A draft checkpoint's tensors, from safetensors HEADERS only, checked against its DraftSpec.
+
+No weight is ever read: a safetensors file starts with an 8-byte little-endian header length and a
+JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``;
+that header is all this module reads. Sharded checkpoints are found through
+``model.safetensors.index.json``.
+
+:func:`check_tensors` compares every tensor with the layout the spec implies
+(:meth:`DraftSpec.linear_modules`, :meth:`DraftSpec.dense_tensors`): NVFP4 modules must be stored
+packed (``weight`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn ``[out, in/16]``,
+``weight_scale_2`` float32 scalar), modules excluded from quantization unquantized at their logical
+shape. Shape math comes from :mod:`vllm_nemotron_spec.nvfp4.format` (imported when needed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from vllm_nemotron_spec.draft_spec import DraftSpec, DraftSpecError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+    "F4": None, "F6_E2M3": None, "F6_E3M2": None,  # sub-byte: size not checked
+}
+"""Bytes per element of every safetensors dtype."""
+
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+"""Dtypes an unquantized tensor may have (the official drafts use BF16)."""
+
+
+class CheckpointError(DraftSpecError):
+    """The checkpoint's files or tensors are inconsistent (every problem in ``problems``)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors dtype string: "BF16", "U8", "F8_E4M3", "F32", ...
+    shape: tuple[int, ...]
+    file: str  # file name relative to the checkpoint directory
+
+
+@dataclass(frozen=True)
+class CheckpointScan:
+    """What the headers of a checkpoint directory say, with every problem found."""
+
+    directory: str
+    files: tuple[str, ...]
+    index: str | None
+    tensors: dict[str, TensorInfo]
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ModuleCheck:
+    """One module (linear layer) or tensor of the draft: what the spec expects, what was found."""
+
+    name: str  # module ("layers.0.mlp.up_proj") or tensor ("norm.weight")
+    format: str  # "nvfp4", "dense" or "unchecked" (a quantization this package does not know)
+    logical_shape: tuple[int, ...]
+    packed_shape: tuple[int, ...] | None = None  # NVFP4: stored uint8 weight
+    scale_shape: tuple[int, ...] | None = None  # NVFP4: float8 block scales
+    found_dtype: str | None = None  # of the weight tensor, when the checkpoint was read
+    found_shape: tuple[int, ...] | None = None
+    ok: bool = True
+
+    @property
+    def group(self) -> str:
+        """The name with layer indices replaced by ``*`` (for grouping the 6 layers)."""
+        return re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", self.name)
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    modules: tuple[ModuleCheck, ...]
+    problems: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------------
+# Reading headers.
+
+
+def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
+    """Tensors listed in one safetensors file's header; raises :class:`CheckpointError`."""
+    problems: list[str] = []
+    tensors = _read_header(os.fspath(path), os.path.basename(path), problems)
+    if problems:
+        raise CheckpointError(problems)
+    return tensors
+
+
+def read_checkpoint(directory: str) -> dict[str, TensorInfo]:
+    """All tensors of a checkpoint directory (single file or sharded); raises
+    :class:`CheckpointError` listing every problem."""
+    scan = scan_checkpoint(directory)
+    if scan.problems:
+        raise CheckpointError(scan.problems)
+    return scan.tensors
+
+
+def _read_header(path: str, label: str, problems: list[str]) -> dict[str, TensorInfo]:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                problems.append(
+                    f"{label}: {size} bytes, too short for a safetensors file (it starts with an "
+                    "8-byte header length)"
+                )
+                return {}
+            length = int.from_bytes(prefix, "little")
+            if length > MAX_HEADER_BYTES or length > size - 8:
+                problems.append(
+                    f"{label}: header length {length} exceeds "
+                    + (f"the file ({size} bytes)" if length <= MAX_HEADER_BYTES
+                       else f"the safetensors limit ({MAX_HEADER_BYTES} bytes)")
+                    + ": not a safetensors file, or truncated"
+                )
+                return {}
+            raw = f.read(length)
+    except OSError as exc:
+        problems.append(f"{label}: cannot read ({exc.strerror or exc})")
+        return {}
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        problems.append(f"{label}: header is not UTF-8 (byte {exc.start})")
+        return {}
+    except json.JSONDecodeError as exc:
+        problems.append(f"{label}: header is not valid JSON (char {exc.pos}: {exc.msg})")
+        return {}
+    except RecursionError:
+        problems.append(f"{label}: header is not valid JSON (nested too deeply)")
+        return {}
+    except ValueError as exc:  # e.g. an integer literal beyond Python's digit limit
+        problems.append(f"{label}: header is not valid JSON ({exc})")
+        return {}
+    if not isinstance(header, dict):
+        problems.append(f"{label}: header must be a JSON object, found {type(header).__name__}")
+        return {}
+
+    data_len = size - 8 - length
+    tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                problems.append(f"{label}: `__metadata__` must map strings to strings")
+            continue
+        info = _tensor_entry(name, entry, label, data_len, problems)
+        if info is not None:
+            tensors[name] = info[0]
+            spans.append((info[1], info[2], name))
+    if len(spans) == len(header) - ("__metadata__" in header):
+        # The library requires the tensors' data to tile the buffer exactly, in offset order.
+        position = 0
+        for begin, end, name in sorted(spans):
+            if begin != position:
+                problems.append(
+                    f"{label}: tensor data does not tile the file: `{name}` starts at byte "
+                    f"{begin} of the data, expected {position} (overlap or gap)"
+                )
+                break
+            position = end
+        else:
+            if position != data_len:
+                problems.append(
+                    f"{label}: the tensors cover {position} bytes of data but the file holds "
+                    f"{data_len} after the header (truncated or padded)"
+                )
+    return tensors
+
+
+def _tensor_entry(name, entry, label, data_len, problems):
+    where = f"{label}: tensor `{name}`"
+    if not isinstance(entry, dict):
+        problems.append(f"{where}: expected an object with dtype/shape/data_offsets")
+        return None
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    bad = False
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        problems.append(f"{where}: unknown dtype {dtype!r}")
+        bad = True
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        problems.append(f"{where}: shape must be a list of non-negative integers, found {shape!r}")
+        bad = True
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_len
+    ):
+        problems.append(
+            f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end <= {data_len} "
+            f"(the data size), found {offsets!r}"
+        )
+        bad = True
+    if bad:
+        return None
+    itemsize = DTYPE_BYTES[dtype]
+    nbytes = offsets[1] - offsets[0]
+    if itemsize is not None and math.prod(shape) * itemsize != nbytes:
+        problems.append(
+            f"{where}: {dtype} {shape} needs {math.prod(shape) * itemsize} bytes but data_offsets "
+            f"span {nbytes}"
+        )
+        return None
+    return TensorInfo(name, dtype, tuple(shape), label), offsets[0], offsets[1]
+
+
+def scan_checkpoint(directory: str) -> CheckpointScan:
+    """Read every header of a checkpoint directory; never raises (problems are collected).
+
+    ``model.safetensors.index.json`` (sharded) wins; else ``model.safetensors``; else every
+    ``*.safetensors`` file in the directory.
+    """
+    directory = os.fspath(directory)
+    problems: list[str] = []
+    warnings: list[str] = []
+    tensors: dict[str, TensorInfo] = {}
+    index_path = os.path.join(directory, INDEX_FILE)
+    index = None
+    weight_map: dict[str, str] | None = None
+    if os.path.isfile(index_path):
+        index = INDEX_FILE
+        weight_map = _read_index(index_path, problems)
+        files = sorted(set(weight_map.values())) if weight_map else []
+    elif os.path.isfile(os.path.join(directory, SINGLE_FILE)):
+        files = [SINGLE_FILE]
+    else:
+        try:
+            files = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+        except OSError as exc:
+            problems.append(f"{directory}: cannot list ({exc.strerror or exc})")
+            files = []
+        if not files and not problems:
+            problems.append(
+                f"{directory}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file (the draft's "
+                "weights)"
+            )
+    per_file: dict[str, dict[str, TensorInfo]] = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            listed = [t for t, f in (weight_map or {}).items() if f == name]
+            problems.append(
+                f"{INDEX_FILE} names shard {name!r} ({len(listed)} tensors, e.g. "
+                f"`{listed[0]}`) but the file is missing" if listed else f"{name}: missing"
+            )
+            continue
+        per_file[name] = _read_header(path, name, problems)
+        for tensor, info in per_file[name].items():
+            if tensor in tensors:
+                problems.append(
+                    f"tensor `{tensor}` is stored twice: in {tensors[tensor].file} and {name}"
+                )
+            else:
+                tensors[tensor] = info
+    if weight_map:
+        for tensor, name in weight_map.items():
+            if name in per_file and tensor not in per_file[name] and per_file[name]:
+                problems.append(
+                    f"{INDEX_FILE} puts `{tensor}` in {name} but that file has no such tensor"
+                )
+        unlisted = sorted(t for t in tensors if t not in weight_map)
+        if unlisted:
+            warnings.append(
+                f"{len(unlisted)} tensor(s) in the shards are not listed in {INDEX_FILE}: "
+                + _names(unlisted)
+            )
+    return CheckpointScan(directory, tuple(files), index, tensors, tuple(problems),
+                          tuple(warnings))
+
+
+def _read_index(path: str, problems: list[str]) -> dict[str, str]:
+    try:
+        with open(path, "rb") as f:
+            index = json.loads(f.read().decode("utf-8"))
+    except OSError as exc:
+        problems.append(f"{INDEX_FILE}: cannot read ({exc.strerror or exc})")
+        return {}
+    except (ValueError, RecursionError) as exc:  # bad UTF-8, bad JSON, huge int literals
+        problems.append(f"{INDEX_FILE}: not valid JSON ({exc.__class__.__name__}: {exc})"[:300])
+        return {}
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        problems.append(f"{INDEX_FILE}: expected an object with a `weight_map` object "
+                        "(tensor name -> shard file)")
+        return {}
+    good: dict[str, str] = {}
+    for tensor, name in weight_map.items():
+        if (
+            not isinstance(name, str)
+            or not name.endswith(".safetensors")
+            or os.path.isabs(name)
+            or os.path.normpath(name).startswith("..")
+            or os.sep in os.path.normpath(name)
+        ):
+            problems.append(
+                f"{INDEX_FILE}: `weight_map[{tensor!r}]` must be a .safetensors file name in the "
+                f"checkpoint directory, found {name!r}"[:300]
+            )
+            continue
+        good[tensor] = name
+    return good
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(f"`{n}`" for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+# --------------------------------------------------------------------------------------------
+# Checking tensors against the spec.
+
+
+def _layout_checked(spec: DraftSpec) -> bool:
+    """Whether this package knows the stored layout of the spec's quantization."""
+    return spec.quant_method in (None, "modelopt") and (spec.quant_algo is None or spec.is_nvfp4)
+
+
+def expected_modules(spec: DraftSpec) -> tuple[ModuleCheck, ...]:
+    """The modules and tensors the spec implies, with their expected storage (nothing read)."""
+    from vllm_nemotron_spec.nvfp4 import format as nvfp4
+
+    known = _layout_checked(spec)
+    out = []
+    for name, logical in spec.linear_modules():
+        if not known:
+            out.append(ModuleCheck(name, "unchecked", logical))
+        elif spec.is_nvfp4 and spec.is_quantized(name):
+            out.append(ModuleCheck(name, "nvfp4", logical, nvfp4.packed_shape(logical),
+                                   nvfp4.scale_shape(logical)))
+        else:
+            out.append(ModuleCheck(name, "dense", logical))
+    for name, shape in spec.dense_tensors():
+        out.append(ModuleCheck(name, "dense", shape))
+    return tuple(out)
+
+
+def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorCheck:
+    """Compare the checkpoint's tensors with the layout ``spec`` implies (see module doc)."""
+    from vllm_nemotron_spec.nvfp4 import format as nvfp4
+
+    problems: list[str] = []
+    warnings: list[str] = []
+    used: set[str] = set()
+
+    def find(name: str) -> TensorInfo | None:
+        for key in (name, f"model.{name}"):
+            if key in tensors:
+                used.add(key)
+                return tensors[key]
+        return None
+
+    why_dense = (
+        "the config has no quantization_config" if spec.quant_algo is None else
+        "quantization_config excludes it"
+    )
+    linear = {name for name, _ in spec.linear_modules()}
+    modules: list[ModuleCheck] = []
+    for expected in expected_modules(spec):
+        before = len(problems)
+        name = expected.name
+        is_linear = name in linear
+        weight_name = f"{name}.weight" if is_linear else name
+        weight = find(weight_name)
+        scales = {s: find(f"{name}.{s}") if is_linear else None
+                  for s in ("weight_scale", "weight_scale_2", "input_scale")}
+        logical = expected.logical_shape
+        if expected.format == "nvfp4":
+            packed, scale = expected.packed_shape, expected.scale_shape
+            if weight is None:
+                problems.append(
+                    f"`{weight_name}`: missing (NVFP4 module: expected uint8 {list(packed)} for "
+                    f"logical {list(logical)})"
+                )
+            elif weight.dtype != "U8" or weight.shape != packed:
+                if weight.dtype in FLOAT_DTYPES and weight.shape == logical:
+                    problems.append(
+                        f"`{weight_name}`: found {weight.dtype} {list(weight.shape)} (unquantized) "
+                        f"but quantization_config ({spec.quant_algo}) does not exclude `{name}`: "
+                        f"expected NVFP4 uint8 {list(packed)} (logical {list(logical)})"
+                    )
+                else:
+                    problems.append(
+                        f"`{weight_name}`: found {weight.dtype} {list(weight.shape)}, expected "
+                        f"NVFP4 uint8 {list(packed)} (logical {list(logical)}, two E2M1 codes "
+                        "per byte)"
+                    )
+            s1 = scales["weight_scale"]
+            if s1 is None:
+                problems.append(f"`{name}.weight_scale`: missing (expected F8_E4M3 {list(scale)}, "
+                                f"one scale per 16 inputs of logical {list(logical)})")
+            elif s1.dtype != "F8_E4M3" or s1.shape != scale:
+                problems.append(
+                    f"`{name}.weight_scale`: found {s1.dtype} {list(s1.shape)}, expected F8_E4M3 "
+                    f"{list(scale)} (one scale per 16 inputs of logical {list(logical)}; packed "
+                    f"weight {list(packed)})"
+                )
+            for key, required in (("weight_scale_2", True), ("input_scale", False)):
+                t = scales[key]
+                if t is None:
+                    if required:
+                        problems.append(f"`{name}.{key}`: missing (expected a float32 scalar, "
+                                        "the global scale)")
+                elif t.dtype != "F32" or t.shape not in ((), (1,)):
+                    problems.append(f"`{name}.{key}`: found {t.dtype} {list(t.shape)}, expected a "
+                                    "float32 scalar")
+        elif expected.format == "dense":
+            if weight is None:
+                problems.append(f"`{weight_name}`: missing (expected {list(logical)})")
+            elif weight.dtype not in FLOAT_DTYPES:
+                hint = ""
+                if is_linear and weight.dtype == "U8":
+                    try:
+                        looks_packed = weight.shape == nvfp4.packed_shape(logical)
+                    except ValueError:
+                        looks_packed = False
+                    if looks_packed:
+                        pattern = spec.exclusion_pattern(name)
+                        hint = (f"; it looks NVFP4-packed, but {why_dense}"
+                                + (f" (pattern {pattern!r})" if pattern else ""))
+                problems.append(
+                    f"`{weight_name}`: found {weight.dtype} {list(weight.shape)}, expected an "
+                    f"unquantized (BF16) tensor {list(logical)}{hint}"
+                )
+            elif weight.shape != logical:
+                problems.append(f"`{weight_name}`: found {weight.dtype} {list(weight.shape)}, "
+                                f"expected shape {list(logical)}")
+            for key, t in scales.items():
+                if t is not None:
+                    problems.append(f"`{name}.{key}`: present, but `{name}` is stored unquantized "
+                                    f"({why_dense})")
+        else:  # a quantization whose layout this package does not know
+            if weight is None:
+                problems.append(f"`{weight_name}`: missing")
+        modules.append(ModuleCheck(
+            name, expected.format, logical, expected.packed_shape, expected.scale_shape,
+            None if weight is None else weight.dtype, None if weight is None else weight.shape,
+            ok=len(problems) == before,
+        ))
+
+    for tensor, own, flag in (("embed_tokens.weight", spec.has_embed_tokens, "has_embed_tokens"),
+                              ("lm_head.weight", spec.has_lm_head, "has_lm_head")):
+        if own:
+            continue
+        present = [k for k in (tensor, f"model.{tensor}") if k in tensors]
+        if not present:
+            continue
+        used.update(present)
+        message = (f"`{present[0]}` is in the checkpoint but `{flag}` is "
+                   f"{'false' if spec.is_nemotron35 else 'not true'}: the draft uses the target's")
+        (problems if spec.is_nemotron35 else warnings).append(message)
+    unexpected = sorted(set(tensors) - used)
+    if unexpected:
+        warnings.append(f"{len(unexpected)} tensor(s) the draft does not use: {_names(unexpected)}")
+    return TensorCheck(tuple(modules), tuple(problems), tuple(warnings))
