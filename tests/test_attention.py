@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import draft_configs as dc  # noqa: E402
 
-from vllm_nemotron_spec import attention  # noqa: E402
+from vllm_nemotron_spec import attention, target_hook  # noqa: E402
 from vllm_nemotron_spec.attention import (  # noqa: E402
     FLASH_ATTN,
     FLASHINFER,
@@ -290,22 +290,6 @@ def test_cuda_capability_reads_the_platform(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_register_chains_vllm_nemotron_h_hook_only():
-    from vllm.model_executor.models import config as models_config
-
-    before = dict(models_config.MODELS_CONFIG_MAP)
-    first = attention.register()
-    hook = models_config.MODELS_CONFIG_MAP[attention.ARCHITECTURE]
-    assert first == ["attention hook for NemotronHForCausalLM"]
-    assert attention.register() == first  # idempotent: no second wrapper
-    assert models_config.MODELS_CONFIG_MAP[attention.ARCHITECTURE] is hook
-    assert issubclass(hook, models_config.NemotronHForCausalLMConfig)  # vLLM's own hook kept
-    after = models_config.MODELS_CONFIG_MAP
-    changed = {arch for arch, hook_cls in after.items() if hook_cls is not before.get(arch)}
-    assert changed <= {attention.ARCHITECTURE}
-    assert "LlamaForCausalLM" not in models_config.MODELS_CONFIG_MAP
-
-
 # The scaled-down Nemotron 3.5 schema (tests/draft_configs.py) with the Mamba fields vLLM needs.
 TINY_NEMOTRON_H = dict(
     dc.target_config(dc.SMALL),
@@ -361,7 +345,7 @@ class _Lines(logging.Handler):
 @pytest.fixture
 def cuda(monkeypatch):
     """Simulate a CUDA capability for the hook only (vLLM's CPU build keeps running as CPU)."""
-    attention.register()
+    target_hook.register()
     # Configure vLLM's logging now, as create_engine_config would: configuring it clears the
     # handlers of every "vllm.*" logger, the one added below included.
     from vllm.config.logging import LoggingConfig

@@ -1,12 +1,11 @@
 """Attention-backend choice for a NemotronH target and its draft.
 
 One pure function, :func:`resolve_attention_backends`, decides from plain facts (device capability,
-speculative method, the draft's attention shape, every explicit user choice). One vLLM
-per-architecture config hook applies the decision: ``register()`` chains a class onto vLLM's own
-``MODELS_CONFIG_MAP["NemotronHForCausalLM"]`` entry (vllm/model_executor/models/config.py). vLLM runs
-that entry once, from ``VllmConfig.__post_init__`` -> ``try_verify_and_update_config``, in the process
-that builds the config, before any worker selects an attention backend; the draft's backend is read
-later from ``speculative_config.attention_backend``, so setting it there reaches the draft.
+speculative method, the draft's attention shape, every explicit user choice).
+:func:`apply_attention_choice` applies it to a ``VllmConfig``; it is called from the NemotronH config
+hook (``target_hook.py``), which vLLM runs once, from ``VllmConfig.__post_init__``, before any worker
+selects an attention backend; the draft's backend is read later from
+``speculative_config.attention_backend``, so setting it there reaches the draft.
 
 What the rules rest on (vLLM 0.32 sources; 0.33 keeps the same structure, see docs/attention.md):
 - ``platforms/cuda.py::_get_backend_priorities``: on compute capability 10.x a causal layer tries
@@ -28,11 +27,9 @@ What the rules rest on (vLLM 0.32 sources; 0.33 keeps the same structure, see do
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any
 
-ARCHITECTURE = "NemotronHForCausalLM"
 
 # AttentionBackendEnum member names (vllm/v1/attention/backends/registry.py).
 FLASHINFER = "FLASHINFER"
@@ -344,29 +341,3 @@ def apply_attention_choice(vllm_config: Any) -> AttentionDecision:
     state = "unchanged" if decision.changes_nothing else "set"
     init_logger(_LOGGER_NAME).info("nemotron-spec attention (%s): %s", state, decision.reason)
     return decision
-
-
-_lock = threading.Lock()
-
-
-def register() -> list[str]:
-    """Chain the attention hook onto vLLM's config hook for NemotronH (idempotent)."""
-    from vllm.model_executor.models import config as models_config
-
-    with _lock:
-        config_map = models_config.MODELS_CONFIG_MAP
-        base = config_map.get(ARCHITECTURE, models_config.VerifyAndUpdateConfig)
-        if not getattr(base, "_nemotron_spec_attention", False):
-
-            class NemotronHAttentionConfig(base):  # type: ignore[misc, valid-type]
-                """vLLM's NemotronH config hook, then the attention-backend choice."""
-
-                _nemotron_spec_attention = True
-
-                @classmethod
-                def verify_and_update_config(cls, vllm_config: Any) -> None:
-                    base.verify_and_update_config(vllm_config)
-                    apply_attention_choice(vllm_config)
-
-            config_map[ARCHITECTURE] = NemotronHAttentionConfig
-    return [f"attention hook for {ARCHITECTURE}"]
