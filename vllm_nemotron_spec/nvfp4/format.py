@@ -100,9 +100,14 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes ``[out, in]`` (values 0..15) -> uint8 ``[out, in/2]``, low nibble first."""
     if codes.shape[-1] % 2:
         raise ValueError(f"cannot pack an odd number of codes per row: {tuple(codes.shape)}")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise TypeError(f"E2M1 codes must be an integer tensor, got {codes.dtype}")
+    # Check the range before the cast: a cast to uint8 would wrap -1 or 256 into range.
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+        raise ValueError(
+            f"E2M1 codes must lie in 0..15, got values in {int(codes.min())}..{int(codes.max())}"
+        )
     codes = codes.to(torch.uint8)
-    if int(codes.max()) > 15:
-        raise ValueError("E2M1 codes must lie in 0..15")
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
@@ -161,7 +166,7 @@ def quantize(weight: torch.Tensor, global_scale: float | None = None) -> NVFP4We
     if global_scale is None:
         amax = float(w.abs().max())
         global_scale = amax / (E2M1_MAX * FP8_E4M3_MAX) if amax > 0 else 1.0
-    gs = torch.tensor(global_scale, dtype=torch.float32)
+    gs = torch.as_tensor(global_scale, dtype=torch.float32).reshape(()).cpu()
     blocks = w.reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     block_amax = blocks.abs().amax(dim=-1)
     block_scale = (block_amax / E2M1_MAX / gs).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)

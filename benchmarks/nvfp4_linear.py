@@ -1,0 +1,427 @@
+"""NVFP4 W4A16 linear layers at the real draft shapes: error against the reference dequantization,
+and time per call against the same layer unquantized in bf16. Self-checking: exits 1 on a failure.
+
+GPU (vLLM's W4A16 kernels: FP4 Marlin on Hopper, CuTe-DSL on SM100; about 1-2 minutes on an H200):
+    python benchmarks/nvfp4_linear.py --out /tmp/nvfp4-linear-gpu
+CPU (this plugin's dequantize-at-load method, against dequantizing on the fly in every call):
+    python benchmarks/nvfp4_linear.py --device cpu --out /tmp/nvfp4-linear-cpu
+
+Cases, each a real vLLM layer built with the plugin's quantization config and loaded through its
+weight loaders from ModelOpt-style tensors (vllm_nemotron_spec.nvfp4.format.quantize of Gaussian
+weights with a few outliers):
+  fc          ReplicatedLinear 16128 -> 2688
+  gate_up     MergedColumnParallelLinear 2688 -> 2 x 6144, one weight_scale_2 for both (ModelOpt)
+  gate_up_4x  the same, up's weight_scale_2 = 4 x gate's (folded into gate's block scales: 1 GEMM)
+  gate_up_3x  the same, ratio 3 (not foldable exactly: one GEMM per shard)
+  down        RowParallelLinear 6144 -> 2688
+  markov_w2   ParallelLMHead (DSpark's Markov head) 512 -> 131072
+at M = 1, 4, 16, 64 tokens.
+
+Checks. GPU: max |y - y_ref| / max |y_ref| of the plugin's layer (bf16 in, bf16 out) where
+y_ref = x @ W_ref^T in float64 and W_ref the reference dequantization, must be at most
+2 x that of the bf16 baseline (x @ bf16(W_ref)^T with cuBLAS) + 2**-9 (and never above 2**-6; a
+mis-scaled shard or a wrong nibble order errs by ~1); the fused cases must take the
+expected path. For gate_up_4x / gate_up_3x the script also reports vLLM's own modelopt_fp4 method
+(one max global scale) for comparison, without asserting on it. CPU: outputs must equal
+x @ W_ref^T bit for bit (fp32 and bf16), for both the layer and the on-the-fly variant.
+Writes result.json and result.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from vllm_nemotron_spec.nvfp4 import format as nvfp4  # noqa: E402
+
+CASES = {
+    # name: (layer kind, input features, output features per shard, ratio of shard global scales)
+    "fc": ("replicated", 16128, [2688], None),
+    "gate_up": ("merged", 2688, [6144, 6144], 1.0),
+    "gate_up_4x": ("merged", 2688, [6144, 6144], 4.0),
+    "gate_up_3x": ("merged", 2688, [6144, 6144], 3.0),
+    "down": ("row", 6144, [2688], None),
+    "markov_w2": ("lm_head", 512, [131072], None),
+}
+VLLM_ERR = "rel_max_err_vllm_modelopt_fp4"
+QUANT_CONFIG = {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 16}
+
+
+def gaussian_weight(rows: int, cols: int, seed: int, device, std: float = 0.02) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g, device=device) * std
+    w[0, :8] *= 8  # a few outliers, as real weights have
+    return w
+
+
+def make_shards(case: str, device) -> list[nvfp4.NVFP4Weight]:
+    """ModelOpt-style NVFP4 tensors for each shard of ``case``."""
+    kind, k, outs, ratio = CASES[case]
+    if ratio is None:
+        return [nvfp4.quantize(gaussian_weight(outs[0], k, 1, device))]
+    up_dense = gaussian_weight(outs[1], k, 3, device)
+    up = nvfp4.quantize(up_dense)
+    if ratio == 1.0:  # one shared global scale: the amax over both shards
+        gate_dense = gaussian_weight(outs[0], k, 2, device)
+        amax = max(float(gate_dense.abs().max()), float(up_dense.abs().max()))
+        shared = amax / (nvfp4.E2M1_MAX * nvfp4.FP8_E4M3_MAX)
+        return [nvfp4.quantize(gate_dense, shared), nvfp4.quantize(up_dense, shared)]
+    gate_scale = float(up.weight_scale_2) / ratio
+    gate = nvfp4.quantize(gaussian_weight(outs[0], k, 2, device, std=0.02 / ratio), gate_scale)
+    return [gate, up]
+
+
+def build_layer(case: str, quant_config, dtype):
+    """The vLLM layer of ``case``, built with ``quant_config`` (None: unquantized)."""
+    from vllm.model_executor.layers.linear import (
+        MergedColumnParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    kind, k, outs, _ = CASES[case]
+    common = dict(quant_config=quant_config, params_dtype=dtype, prefix=f"bench.{case}")
+    if kind == "replicated":
+        layer = ReplicatedLinear(k, outs[0], bias=False, **common)
+    elif kind == "merged":
+        layer = MergedColumnParallelLinear(k, outs, bias=False, **common)
+    elif kind == "row":
+        layer = RowParallelLinear(k, outs[0], bias=False, **common)
+    else:
+        layer = ParallelLMHead(outs[0], k, bias=False, disable_tp=True, **common)
+    return layer
+
+
+def load(layer, case, tensors_per_shard):
+    """Load checkpoint tensors (one dict per shard) through the weight loaders, then process."""
+    kind = CASES[case][0]
+    for shard_id, tensors in enumerate(tensors_per_shard):
+        for name, tensor in tensors.items():
+            param = getattr(layer, name)
+            if kind == "merged":
+                param.weight_loader(param, tensor, shard_id)
+            else:
+                param.weight_loader(param, tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def dense_layer(case, weight: torch.Tensor):
+    """The same vLLM layer unquantized, holding ``weight`` (fused layers get one fused tensor)."""
+    layer = build_layer(case, None, weight.dtype)
+    layer.weight.weight_loader(layer.weight, weight)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def nvfp4_tensors(q: nvfp4.NVFP4Weight) -> dict[str, torch.Tensor]:
+    return {"weight": q.weight, "weight_scale": q.weight_scale, "weight_scale_2": q.weight_scale_2}
+
+
+class OnTheFly:
+    """Keeps the packed tensors and dequantizes in every call (the CPU alternative measured here).
+    Same arithmetic order as the reference: (E2M1 * block scale) * global scale, in fp32."""
+
+    def __init__(self, shards: list[nvfp4.NVFP4Weight], dtype):
+        lut = nvfp4.e2m1_table()
+        byte = torch.arange(256)
+        self.pair_lut = torch.stack([lut[byte & 15], lut[byte >> 4]], dim=-1)  # [256, 2]
+        self.shards = [(q.weight, q.weight_scale, q.weight_scale_2) for q in shards]
+        self.dtype = dtype
+
+    def weight(self) -> torch.Tensor:
+        parts = []
+        for packed, scale, global_scale in self.shards:
+            rows, half = packed.shape
+            values = F.embedding(packed.to(torch.int32), self.pair_lut)  # [rows, in/2, 2]
+            values = values.view(rows, half * 2 // nvfp4.GROUP_SIZE, nvfp4.GROUP_SIZE)
+            parts.append(((values * scale.float().unsqueeze(-1)) * global_scale).view(rows, -1))
+        return torch.cat(parts).to(self.dtype)
+
+    def __call__(self, x):
+        return F.linear(x, self.weight())
+
+    def bytes(self) -> int:
+        return sum(p.numel() + s.numel() + 4 for p, s, _ in self.shards)
+
+
+def rel_max_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((y.double() - reference).abs().max() / reference.abs().max())
+
+
+def time_cpu(fn, x, reps: int) -> float:
+    fn(x)  # warm-up
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(x)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def time_gpu(fn, x, calls: int = 20, replays: int = 10) -> tuple[float, str]:
+    """Microseconds per call: a CUDA graph of ``calls`` calls replayed ``replays`` times (eager
+    loop where capture fails)."""
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(x)
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(calls):
+                    fn(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / (calls * replays), "cuda graph"
+    except Exception as exc:  # noqa: BLE001 - report and fall back
+        print(f"  (CUDA graph capture failed: {type(exc).__name__}: {exc}; timing eagerly)")
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(calls * replays):
+            fn(x)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / (calls * replays), "eager"
+
+
+def init_vllm(device: str):
+    from vllm.distributed import parallel_state as ps
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps.init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="nccl" if device == "cuda" else "gloo",
+    )
+    ps.initialize_model_parallel(1)
+
+
+def environment(device: str) -> dict:
+    import vllm
+
+    env = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": getattr(vllm, "__version__", "?"),
+        "device": device,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+    }
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(0)
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    else:
+        env["cpu"] = platform.processor() or platform.machine()
+        env["cpu_count"] = os.cpu_count()
+        env["torch_threads"] = torch.get_num_threads()
+        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return env
+
+
+def run_case_gpu(case, shards, qc, ms, record, failures):
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    dtype = torch.bfloat16
+    outs = CASES[case][2]
+    reference_w = torch.cat([q.dequantize(torch.float32) for q in shards])
+    layer = load(build_layer(case, qc, dtype), case, [nvfp4_tensors(q) for q in shards])
+    method = layer.quant_method
+    shard_kernels = method.shard_kernels
+    path = "one GEMM" if shard_kernels is None else f"{len(shard_kernels)} GEMMs (per shard)"
+    kernel = type(method.kernel).__name__
+    expected_path = "one GEMM" if CASES[case][3] in (None, 1.0, 4.0) else "2 GEMMs (per shard)"
+    if path != expected_path:
+        failures.append(f"{case}: took path {path!r}, expected {expected_path!r}")
+    dense = dense_layer(case, reference_w.to(dtype))
+    vllm_layer = None
+    if CASES[case][3] not in (None, 1.0):  # vLLM's own modelopt_fp4 method, for comparison
+        vllm_qc = ModelOptNvFp4Config.from_config(QUANT_CONFIG)
+        tensors = [nvfp4_tensors(q) for q in shards]
+        vllm_layer = load(build_layer(case, vllm_qc, dtype), case, tensors)
+    rows = []
+    for m in ms:
+        g = torch.Generator(device="cuda").manual_seed(m)
+        x = torch.randn(m, CASES[case][1], device="cuda", generator=g).to(dtype)
+        reference = x.double() @ reference_w.double().T
+        n = sum(outs)
+        y = method.apply(layer, x)[..., :n]
+        y_bf16 = F.linear(x, reference_w.to(dtype))
+        err, err_bf16 = rel_max_error(y, reference), rel_max_error(y_bf16, reference)
+        tol = min(2 * err_bf16 + 2**-9, 2**-6)
+        ok = err <= tol and y.dtype == dtype and bool(torch.isfinite(y).all())
+        if not ok:
+            failures.append(f"{case} M={m}: rel max error {err:.3e} > tolerance {tol:.3e}")
+        t_nvfp4, how = time_gpu(lambda a: method.apply(layer, a), x)
+        t_bf16, _ = time_gpu(lambda a: dense.quant_method.apply(dense, a), x)
+        row = {
+            "case": case, "m": m, "kernel": kernel, "path": path, "rel_max_err": err,
+            "rel_max_err_bf16": err_bf16, "tolerance": tol, "ok": ok,
+            "us_nvfp4": t_nvfp4, "us_bf16": t_bf16, "timing": how,
+        }  # fmt: skip
+        if vllm_layer is not None:
+            y_vllm = vllm_layer.quant_method.apply(vllm_layer, x)[..., :n]
+            row[VLLM_ERR] = rel_max_error(y_vllm, reference)
+        rows.append(row)
+        print(
+            f"  {case:11s} M={m:3d} {kernel} [{path}] err {err:.2e} (bf16 {err_bf16:.2e},"
+            f" tol {tol:.2e}) {'ok' if ok else 'FAIL'} | {t_nvfp4:8.1f} us vs bf16 {t_bf16:8.1f} us"
+            + (f" | vLLM modelopt_fp4 err {row[VLLM_ERR]:.2e}" if vllm_layer else "")
+        )
+    record.extend(rows)
+
+
+def run_case_cpu(case, shards, qc, ms, reps, record, failures):
+    outs = CASES[case][2]
+    n = sum(outs)
+    for dtype in (torch.float32, torch.bfloat16):
+        reference_w = torch.cat([q.dequantize(dtype) for q in shards])
+        t0 = time.perf_counter()
+        layer = load(build_layer(case, qc, dtype), case, [nvfp4_tensors(q) for q in shards])
+        load_s = time.perf_counter() - t0
+        fly = OnTheFly(shards, dtype)
+        dense = dense_layer(case, reference_w)  # vLLM's unquantized layer (oneDNN on CPU)
+        for m in ms:
+            x = torch.randn(m, CASES[case][1], generator=torch.Generator().manual_seed(m)).to(dtype)
+            expected = x @ reference_w.T
+            y = layer.quant_method.apply(layer, x)[..., :n]
+            exact = torch.equal(y, expected) and torch.equal(fly(x), expected)
+            if not exact:
+                failures.append(f"{case} {dtype} M={m}: CPU output differs from x @ W_ref.T")
+            row = {
+                "case": case, "dtype": str(dtype).removeprefix("torch."), "m": m, "exact": exact,
+                "us_at_load": time_cpu(lambda a: layer.quant_method.apply(layer, a), x, reps),
+                "us_on_the_fly": time_cpu(fly, x, max(1, reps // 2)),
+                "us_vllm_dense": time_cpu(lambda a: dense.quant_method.apply(dense, a), x, reps),
+                "bytes_at_load": layer.weight.numel() * layer.weight.element_size(),
+                "bytes_on_the_fly": fly.bytes(), "load_s": load_s,
+            }  # fmt: skip
+            record.append(row)
+            print(
+                f"  {case:11s} {row['dtype']:8s} M={m:3d} exact={exact}"
+                f" | at load {row['us_at_load']:9.0f} us | on the fly {row['us_on_the_fly']:9.0f} us"
+                f" | vLLM dense {row['us_vllm_dense']:9.0f} us"
+            )
+        del layer, fly, dense, reference_w
+
+
+def markdown(env: dict, rows: list[dict], failures: list[str]) -> str:
+    lines = ["# NVFP4 W4A16 linear at the draft shapes", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", f"**{'PASS' if not failures else 'FAIL'}**", ""]
+    lines += [f"- FAIL: {f}" for f in failures]
+    if env["device"] == "cuda":
+        lines += [
+            "| case | M | kernel | path | rel max err | bf16 baseline err | vLLM modelopt_fp4 err"
+            " | us NVFP4 | us bf16 | speed-up |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            vllm_err = r.get(VLLM_ERR)
+            lines.append(
+                f"| {r['case']} | {r['m']} | {r['kernel']} | {r['path']} | {r['rel_max_err']:.2e} | "
+                f"{r['rel_max_err_bf16']:.2e} | {'' if vllm_err is None else f'{vllm_err:.2e}'} | "
+                f"{r['us_nvfp4']:.1f} | {r['us_bf16']:.1f} | {r['us_bf16'] / r['us_nvfp4']:.2f}x |"
+            )
+    else:
+        lines += [
+            "| case | dtype | M | exact | us dequantized at load | us on the fly"
+            " | us vLLM dense (oneDNN) | MB at load | MB on the fly |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['case']} | {r['dtype']} | {r['m']} | {r['exact']} | {r['us_at_load']:.0f} | "
+                f"{r['us_on_the_fly']:.0f} | {r['us_vllm_dense']:.0f} | {r['bytes_at_load'] / 2**20:.1f} | "
+                f"{r['bytes_on_the_fly'] / 2**20:.1f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="directory for result.json and result.md")
+    parser.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--m", default="1,4,16,64", help="token counts (comma-separated)")
+    parser.add_argument("--cases", default=",".join(CASES), help="cases (comma-separated)")
+    parser.add_argument("--reps", type=int, default=5, help="CPU: timed calls per measurement")
+    args = parser.parse_args(argv)
+    ms = [int(v) for v in args.m.split(",")]
+    cases = args.cases.split(",")
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_nemotron_spec.nvfp4 import config as nvcfg
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = False  # a clean fp32/fp64 reference
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # and baseline
+    env = environment(args.device)
+    print(json.dumps(env, indent=1))
+    rows: list[dict] = []
+    failures: list[str] = []
+    with set_current_vllm_config(VllmConfig()):
+        init_vllm(args.device)
+        nvcfg.register()
+        qc = nvcfg.NemotronW4A16NvFp4Config.from_config(QUANT_CONFIG)
+        device = torch.device(args.device)
+        for case in cases:
+            print(f"{case}: quantizing and loading")
+            shards = make_shards(case, device)
+            with torch.device(device):
+                if args.device == "cuda":
+                    run_case_gpu(case, shards, qc, ms, rows, failures)
+                else:
+                    run_case_cpu(case, shards, qc, ms, args.reps, rows, failures)
+            del shards
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    result = {"environment": env, "ok": not failures, "failures": failures, "rows": rows}
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    (out / "result.md").write_text(markdown(env, rows, failures))
+    print(f"\n{'PASS' if not failures else 'FAIL'}: {len(rows)} measurements, results in {out}")
+    for failure in failures:
+        print("  FAIL:", failure)
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
