@@ -1,0 +1,70 @@
+"""``vllm-nemotron-spec make-tiny OUTDIR``: build the tiny Nemotron-3.5-shaped model family locally."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = """\
+Build the tiny Nemotron-3.5-shaped model family into OUTDIR, locally and reproducibly from a seed
+(nothing is downloaded):
+
+  OUTDIR/target     a tiny NemotronHForCausalLM (Mamba-2 / attention / MLP blocks), trained on
+                    a synthetic corpus so its greedy output is structured text
+  OUTDIR/dflash     a tiny DFlash draft (DFlashDraftModel) in the official W4A16 NVFP4 layout
+  OUTDIR/dspark     a tiny DSpark draft (Qwen3DSparkModel) in the official W4A16 NVFP4 layout
+  OUTDIR/tokenizer  the byte-level BPE tokenizer (1024 tokens; <mask> = the drafts' mask_token_id)
+
+Each model directory also carries the tokenizer files, so each loads on its own. The draft
+weights are random (untrained).
+
+The same seed gives byte-identical weights on the same machine type. An OUTDIR that already
+holds a complete family built with the same seed and builder version is reused as is; pass
+--force to rebuild it. Building takes about 1.5 minutes (one CPU core; training the target).
+"""
+
+EPILOG = """\
+example:
+  vllm-nemotron-spec make-tiny /tmp/tiny
+  python -c "from vllm import LLM; LLM(model='/tmp/tiny/target', enable_prefix_caching=False)"
+
+tests build (and reuse) the family of seed 0 in $VLLM_NEMOTRON_SPEC_CACHE
+(default ~/.cache/vllm-nemotron-spec)/tiny-family-seed0.
+"""
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        "make-tiny",
+        help="build the tiny Nemotron-3.5-shaped target + DFlash/DSpark drafts (local, seeded)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("outdir", metavar="OUTDIR", help="directory to build the family into")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the corpus, tokenizer, target training and draft init (default: 0)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="rebuild even if OUTDIR already holds a matching complete family",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar or build messages, only the paths"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from vllm_nemotron_spec.tiny.build import build_tiny_family
+
+    family = build_tiny_family(args.outdir, seed=args.seed, force=args.force, progress=not args.quiet)
+    print(f"root:      {family.root}")
+    print(f"tokenizer: {family.tokenizer}")
+    print(f"target:    {family.target}")
+    print(f"dflash:    {family.dflash_draft}")
+    print(f"dspark:    {family.dspark_draft}")
+    return 0

@@ -1,0 +1,163 @@
+"""The tiny family's byte-level BPE tokenizer, trained locally on the synthetic corpus.
+
+Layout (mirrors Nemotron's: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, then more special tokens):
+
+====  ==========  =====================================================================
+id    token       use
+====  ==========  =====================================================================
+0     ``<unk>``   unknown (never produced by the byte-level model)
+1     ``<s>``     BOS, added in front of every encoded text by the post-processor
+2     ``</s>``    EOS, ends every training document
+3     ``<pad>``   padding
+4     ``<mask>``  the drafts' ``mask_token_id`` (DFlash / DSpark query-block filler)
+====  ==========  =====================================================================
+
+The rest of the vocabulary is the 256 byte symbols plus BPE merges learned from the corpus;
+if the corpus yields fewer merges than needed, ``<reserved_k>`` special tokens fill the
+vocabulary up to exactly ``vocab_size`` (like Nemotron's reserved ``<SPECIAL_k>`` tokens).
+
+Digits are split one per token (as in Nemotron / Llama 3), so numbers are sequences of digits.
+
+Files written: ``tokenizer.json`` (the ``tokenizers`` model) and ``tokenizer_config.json``
+(``PreTrainedTokenizerFast``), loadable by ``transformers.AutoTokenizer`` and by vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+UNK, BOS, EOS, PAD, MASK = "<unk>", "<s>", "</s>", "<pad>", "<mask>"
+SPECIAL_TOKENS = (UNK, BOS, EOS, PAD, MASK)
+UNK_ID, BOS_ID, EOS_ID, PAD_ID, MASK_ID = range(5)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# A minimal chat template (the tiny models are not chat-tuned): the messages' contents joined by
+# newlines after BOS, so vLLM's chat endpoints and its start-up chat warm-up work.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last %}\n{% endif %}{% endfor %}"
+)
+
+
+@dataclass(frozen=True)
+class TokenizerParams:
+    vocab_size: int = 1024
+    min_frequency: int = 2
+    model_max_length: int = 4096
+
+    def __post_init__(self):
+        if self.vocab_size % 16:
+            raise ValueError(f"vocab_size must be a multiple of 16, got {self.vocab_size}")
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ValueError(
+                f"vocab_size must hold the 256 byte symbols and {len(SPECIAL_TOKENS)} special "
+                f"tokens, got {self.vocab_size}"
+            )
+
+
+def train_tokenizer(documents: Sequence[str], params: TokenizerParams = TokenizerParams()):
+    """Train the byte-level BPE tokenizer on ``documents``; returns a ``tokenizers.Tokenizer``
+    with exactly ``params.vocab_size`` tokens and the special tokens at the ids above."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=params.vocab_size,
+        min_frequency=params.min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(documents), trainer=trainer, length=len(documents))
+    # Fill up to exactly vocab_size with reserved special tokens (ids continue after the merges).
+    missing = params.vocab_size - tok.get_vocab_size(with_added_tokens=True)
+    if missing < 0:
+        raise RuntimeError(
+            f"BPE training produced {params.vocab_size - missing} tokens, more than vocab_size "
+            f"{params.vocab_size}"
+        )
+    if missing:
+        tok.add_special_tokens([f"<reserved_{k}>" for k in range(missing)])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    _check_layout(tok, params.vocab_size)
+    return tok
+
+
+def _check_layout(tok, vocab_size: int) -> None:
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size != vocab_size:
+        raise RuntimeError(f"tokenizer has {size} tokens, expected exactly {vocab_size}")
+    for expected_id, token in enumerate(SPECIAL_TOKENS):
+        found = tok.token_to_id(token)
+        if found != expected_id:
+            raise RuntimeError(f"special token {token!r} has id {found}, expected {expected_id}")
+
+
+def tokenizer_config(params: TokenizerParams = TokenizerParams()) -> dict:
+    """``tokenizer_config.json`` for ``PreTrainedTokenizerFast`` (AutoTokenizer and vLLM)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": UNK,
+        "mask_token": MASK,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": params.model_max_length,
+        "padding_side": "left",
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def save_tokenizer(tok, outdir: str | Path, params: TokenizerParams = TokenizerParams()) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    # Tokenizer.to_str() is deterministic for a given tokenizer; write bytes ourselves so the
+    # file does not depend on anything but the trained model.
+    (outdir / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
+    _write_json(outdir / "tokenizer_config.json", tokenizer_config(params))
+    _write_json(
+        outdir / "special_tokens_map.json",
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK, "mask_token": MASK},
+    )
+
+
+def copy_tokenizer(src_dir: str | Path, dst_dir: str | Path) -> None:
+    """Copy the tokenizer files of one model directory into another."""
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        src = src_dir / name
+        if not src.is_file():
+            raise FileNotFoundError(f"tokenizer file {name} missing in {src_dir}")
+        (dst_dir / name).write_bytes(src.read_bytes())
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The ``tokenizers.Tokenizer`` saved in ``model_dir`` (no transformers needed)."""
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+    return Tokenizer.from_file(str(path))
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
