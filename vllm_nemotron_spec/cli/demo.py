@@ -70,6 +70,7 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
     import vllm
     from vllm.platforms import current_platform
 
+    from vllm_nemotron_spec.draft_spec import DraftSpec
     from vllm_nemotron_spec.runs import generate, make_llm, release
     from vllm_nemotron_spec.tiny.build import build_tiny_family, ensure_tiny_family
     from vllm_nemotron_spec.tiny.corpus import sample_prompts
@@ -84,9 +85,12 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
         spec = METHODS[method]
         speculative_config = None
         if spec is not None:
-            speculative_config = {"method": spec[1], "model": str(getattr(family, spec[0]))}
-            if num_speculative_tokens is not None:
-                speculative_config["num_speculative_tokens"] = num_speculative_tokens
+            draft = str(getattr(family, spec[0]))
+            speculative_config = {
+                "method": spec[1], "model": draft,
+                "num_speculative_tokens": DraftSpec.from_pretrained(draft)
+                .resolve_num_speculative_tokens(num_speculative_tokens),
+            }
         llm = make_llm(str(family.target), speculative_config, **engine_kwargs)
         result = generate(llm, prompts, max_tokens, method)
         release(llm)

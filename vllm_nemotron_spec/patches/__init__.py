@@ -5,6 +5,7 @@ written for. ``apply_all()`` (called by ``plugin.register()`` in every process) 
 | module                   | upstream symbol                                              | where / versions    |
 |--------------------------|--------------------------------------------------------------|---------------------|
 | cpu_mamba_conv_state     | mamba_mixer2.causal_conv1d_update                            | CPU, vLLM 0.32.x    |
+| cpu_mamba_ssm_state      | ssu_dispatch.CPUSSUBackend.__call__                          | CPU, vLLM 0.32.x    |
 | cpu_kernel_rebind        | triton_utils.dispatcher._rebind_kernels                      | CPU, vLLM 0.32.x    |
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-PATCH_MODULES = ("cpu_mamba_conv_state", "cpu_kernel_rebind")
+PATCH_MODULES = ("cpu_mamba_conv_state", "cpu_mamba_ssm_state", "cpu_kernel_rebind")
 
 
 def vllm_version() -> str:
