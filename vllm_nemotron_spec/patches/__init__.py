@@ -6,6 +6,7 @@ written for. ``apply_all()`` (called by ``plugin.register()`` in every process) 
 |--------------------------|--------------------------------------------------------------|---------------------|
 | cpu_mamba_conv_state     | mamba_mixer2.causal_conv1d_update                            | CPU, vLLM 0.32.x    |
 | cpu_mamba_ssm_state      | ssu_dispatch.CPUSSUBackend.__call__                          | CPU, vLLM 0.32.x    |
+| cpu_dflash_context_k_norm| qwen3_dflash.DFlashQwen3Model._normalize_context_k           | CPU, vLLM 0.32.x    |
 | cpu_kernel_rebind        | triton_utils.dispatcher._rebind_kernels                      | CPU, vLLM 0.32.x    |
 """
 
@@ -13,7 +14,12 @@ from __future__ import annotations
 
 import importlib
 
-PATCH_MODULES = ("cpu_mamba_conv_state", "cpu_mamba_ssm_state", "cpu_kernel_rebind")
+PATCH_MODULES = (
+    "cpu_mamba_conv_state",
+    "cpu_mamba_ssm_state",
+    "cpu_dflash_context_k_norm",
+    "cpu_kernel_rebind",
+)
 
 
 def vllm_version() -> str:
