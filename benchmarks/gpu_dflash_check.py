@@ -1,7 +1,8 @@
 """GPU check of the Nemotron 3.5 DFlash path on vLLM 0.33 (CUDA, model runner V2).
 
-Runs the tiny family's NemotronH target with plain decoding and with each DFlash draft found in the
-local cache (the trained one when `ensure_trained_drafts` has run, else the untrained family draft),
+Runs the tiny family's NemotronH target with plain decoding and with the DFlash drafts trained
+against it (`vllm_nemotron_spec.tiny.train_draft.ensure_trained_drafts`; the official layout and
+the shifted-layout control),
 and records: greedy lossless (token-identical to plain decoding), mean acceptance length,
 per-position acceptance, which draft class vLLM built. Nothing is downloaded; the tiny family is
 read from $VLLM_NEMOTRON_SPEC_CACHE (carry `.cache/nemotron-spec` to the GPU machine).
@@ -22,12 +23,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def drafts_to_check(family_root: Path) -> dict[str, Path]:
-    drafts = {"dflash-untrained": family_root / "dflash"}
-    for name in ("dflash", "dflash_shifted"):
-        for candidate in sorted(family_root.parent.glob(f"trained*/{name}")):
-            drafts[f"{name}-trained"] = candidate
-    return {k: v for k, v in drafts.items() if (v / "config.json").exists()}
+def drafts_to_check(seed: int = 0) -> dict[str, Path]:
+    """The trained DFlash drafts (official layout, and the shifted-layout control), from the cache."""
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+    trained = ensure_trained_drafts(seed)
+    return {"dflash-trained": trained.dflash, "dflash-shifted-layout": trained.dflash_shifted}
 
 
 def main() -> int:
@@ -60,7 +61,7 @@ def main() -> int:
     plain = generate(llm, prompts, args.max_tokens, "plain")
     release(llm)
     out["runs"].append({"method": "plain", "tokens_per_s": plain.tokens_per_s})
-    for name, draft in drafts_to_check(Path(family.root)).items():
+    for name, draft in drafts_to_check().items():
         spec = {"method": "dflash", "model": str(draft),
                 "num_speculative_tokens": args.num_speculative_tokens}
         t0 = time.time()
