@@ -578,7 +578,9 @@ def test_offline_default_methods_on_tiny_family(tiny_family, tmp_path):
     else:
         assert_acceptance_consistent(dspark, runs[2])
 
-    assert dflash["draft"] == str(tiny_family.dflash_draft)
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+    assert dflash["draft"] == str(ensure_trained_drafts(family=tiny_family).dflash)
     assert dflash["status"] == "ok", dflash["error"]
     assert_acceptance_consistent(dflash, runs[1])
     assert_comparison_reported(dflash, runs[1], runs[0])

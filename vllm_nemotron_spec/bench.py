@@ -33,8 +33,18 @@ SCHEMA = "vllm-nemotron-spec.bench/1"
 NO_DRAFT_METHODS = ("plain", "ngram")
 DRAFT_METHODS = ("dflash", "dspark", "eagle3", "draft_model")
 METHODS = NO_DRAFT_METHODS + DRAFT_METHODS
-FAMILY_DRAFTS = {"dflash": "dflash_draft", "dspark": "dspark_draft"}
-"""Methods the tiny family has a draft for (method -> ``TinyFamily`` attribute)."""
+FAMILY_DRAFTS = ("dflash", "dspark")
+"""Methods the tiny family has a draft for (see ``family_draft``)."""
+
+
+def family_draft(method: str, family) -> str:
+    """The tiny family's draft for ``method``: DFlash's is trained against the tiny target (cached
+    after the first use); DSpark's is the family's untrained one (no DSpark trainer yet)."""
+    if method == "dflash":
+        from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+        return str(ensure_trained_drafts(family=family).dflash)
+    return str(family.dspark_draft)
 
 DEFAULT_NGRAM_TOKENS = 5
 """``num_speculative_tokens`` of ``ngram`` when not given (vLLM requires one)."""
@@ -139,7 +149,7 @@ def resolve_methods(specs: list[MethodSpec], family=None) -> list[MethodSpec]:
                     f"--method {spec.method}: needs a draft checkpoint: "
                     f"{spec.method}:DRAFT_DIR[:K]"
                 )
-            draft = str(getattr(family, FAMILY_DRAFTS[spec.method]))
+            draft = family_draft(spec.method, family)
         if spec.method in ("dflash", "dspark"):
             k = _checked_draft_k(spec.method, draft, k)
         elif spec.method == "ngram" and k is None:
