@@ -23,6 +23,7 @@ for _key, _value in {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NEMOTRON_SPEC_CACHE": str(_WORK_CACHE / "nemotron-spec"),
     "VLLM_CACHE_ROOT": str(_WORK_CACHE / "vllm"),
     "TORCHINDUCTOR_CACHE_DIR": str(_WORK_CACHE / "torchinductor"),
     "HF_HOME": str(_WORK_CACHE / "hf"),

@@ -58,7 +58,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -68,6 +67,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm_nemotron_spec.tiny.build import _file_lock, _file_table, _say
 
 TRAINER_VERSION = 1
 """Bump when the trainer's code changes its output for the same parameters."""
@@ -975,31 +976,3 @@ def _is_complete(outdir: Path, key: str) -> bool:
         (outdir / rel).is_file() and (outdir / rel).stat().st_size == info.get("size")
         for rel, info in files.items()
     )
-
-
-def _file_table(root: Path) -> dict:
-    table = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        data = path.read_bytes()
-        table[path.relative_to(root).as_posix()] = {
-            "size": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-        }
-    return table
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    import fcntl
-
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _say(progress: bool, message: str) -> None:
-    if progress:
-        print(message, file=sys.stderr, flush=True)
