@@ -452,7 +452,10 @@ def test_draft_checks_before_any_engine(tiny_family, capsys):
     # declares no block_size and drafts 5 (NVIDIA's recipe).
     got = bench.resolve_methods([MethodSpec("dflash"), MethodSpec("dspark")], tiny_family)
     assert [m.num_speculative_tokens for m in got] == [5, 8]
-    assert [m.draft for m in got] == [str(tiny_family.dflash_draft), str(tiny_family.dspark_draft)]
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+    trained_dflash = str(ensure_trained_drafts(family=tiny_family).dflash)
+    assert [m.draft for m in got] == [trained_dflash, str(tiny_family.dspark_draft)]
 
 
 def test_draft_not_available_locally_needs_k(monkeypatch):
