@@ -35,7 +35,7 @@ def inspect_checkpoint(draft: str, target: str | None = None,
     # ---- draft config ----------------------------------------------------------------------
     spec = None
     draft_dir = None
-    local = _local_path(draft)
+    local = local_checkpoint_path(draft)
     if local is None:
         problems.append(f"draft: {draft!r} is not a local directory or file (inspect reads local "
                         "checkpoints only and never downloads)")
@@ -50,7 +50,7 @@ def inspect_checkpoint(draft: str, target: str | None = None,
     # ---- target config ---------------------------------------------------------------------
     target_blocks = None
     if target is not None:
-        tlocal = _local_path(target)
+        tlocal = local_checkpoint_path(target)
         if tlocal is None:
             problems.append(f"target: {target!r} is not a local directory or file (inspect reads "
                             "local checkpoints only and never downloads)")
@@ -125,7 +125,7 @@ def _model_arg(path: str) -> str:
     return path
 
 
-def _local_path(path: str) -> str | None:
+def local_checkpoint_path(path: str) -> str | None:
     """``path`` if it exists here, else its snapshot in the local Hugging Face cache (never
     downloads)."""
     if os.path.exists(path):

@@ -30,10 +30,10 @@ ARCHITECTURE = "DFlashNemotron35DraftModel"
 
 def draft_spec_from_vllm_config(vllm_config: VllmConfig) -> DraftSpec:
     """The draft's DraftSpec, parsed from its config.json (the path vLLM loads it from)."""
-    from vllm_nemotron_spec.inspection import _local_path
+    from vllm_nemotron_spec.inspection import local_checkpoint_path
 
     draft = vllm_config.speculative_config.draft_model_config.model
-    local = _local_path(draft)
+    local = local_checkpoint_path(draft)
     if local is None:
         raise DraftSpecError([f"draft {draft!r}: config.json not found locally"])
     return DraftSpec.from_pretrained(local)
