@@ -13,11 +13,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-SPEC_COUNTERS = (
-    "vllm:spec_decode_num_drafts",
-    "vllm:spec_decode_num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens",
-)
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
