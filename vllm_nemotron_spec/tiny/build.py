@@ -137,11 +137,7 @@ def build_tiny_family(
         try:
             _build_into(tmp, seed, spec, progress)
             _make_readable(tmp)
-            if outdir.exists():
-                old = outdir.with_name(f".{outdir.name}.old-{os.getpid()}-{time.time_ns()}")
-                os.replace(outdir, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, outdir)
+            _install_dir(tmp, outdir)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -237,6 +233,15 @@ def _file_table(root: Path) -> dict:
             "sha256": hashlib.sha256(data).hexdigest(),
         }
     return table
+
+
+def _install_dir(tmp: Path, outdir: Path) -> None:
+    """Move a finished build into place, replacing an older one (callers hold the lock)."""
+    if outdir.exists():
+        old = outdir.with_name(f".{outdir.name}.old-{os.getpid()}-{time.time_ns()}")
+        os.replace(outdir, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, outdir)
 
 
 @contextlib.contextmanager

@@ -56,7 +56,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -68,7 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_nemotron_spec.tiny.build import _file_lock, _file_table, _say
+from vllm_nemotron_spec.tiny.build import _file_lock, _file_table, _install_dir, _say
 
 TRAINER_VERSION = 1
 """Bump when the trainer's code changes its output for the same parameters."""
@@ -881,11 +880,7 @@ def build_trained_drafts(
                 "files": _file_table(tmp),
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            if outdir.exists():
-                old = outdir.with_name(f".{outdir.name}.old-{os.getpid()}")
-                os.replace(outdir, old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, outdir)
+            _install_dir(tmp, outdir)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
