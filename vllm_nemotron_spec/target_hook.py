@@ -52,7 +52,10 @@ def disable_prefix_caching_on_cpu(vllm_config: Any) -> bool:
 
 
 # speculative method -> our architecture for a Nemotron 3.5 draft (absent: vLLM's own class).
-NEMOTRON35_DRAFT_ARCHITECTURES = {"dflash": "DFlashNemotron35DraftModel"}
+NEMOTRON35_DRAFT_ARCHITECTURES = {
+    "dflash": "DFlashNemotron35DraftModel",
+    "dspark": "DSparkNemotron35DraftModel",
+}
 
 
 def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:

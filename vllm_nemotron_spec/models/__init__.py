@@ -7,6 +7,7 @@ routes a draft there after the structural check; vLLM's own names are never over
 # architecture name -> "module:Class" (lazy: importing a model file imports vLLM's layers).
 DRAFT_ARCHITECTURES = {
     "DFlashNemotron35DraftModel": "vllm_nemotron_spec.models.nemotron35_dflash:Nemotron35DFlashForCausalLM",
+    "DSparkNemotron35DraftModel": "vllm_nemotron_spec.models.nemotron35_dspark:Nemotron35DSparkForCausalLM",
 }
 
 

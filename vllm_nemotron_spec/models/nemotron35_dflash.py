@@ -49,7 +49,9 @@ class Nemotron35DFlashForCausalLM(DFlashQwen3ForCausalLM):
         check_built_model_matches_spec(self, spec, vllm_config)
 
 
-def check_built_model_matches_spec(model, spec: DraftSpec, vllm_config: VllmConfig) -> None:
+def check_built_model_matches_spec(
+    model, spec: DraftSpec, vllm_config: VllmConfig, source: str = ARCHITECTURE
+) -> None:
     """Compare what vLLM built with what the checkpoint's config says; raise naming each field."""
     target_hidden = vllm_config.model_config.get_hidden_size()
     problems = []
@@ -76,4 +78,4 @@ def check_built_model_matches_spec(model, spec: DraftSpec, vllm_config: VllmConf
             f"layer causality {sorted(causal)} != dflash_config.causal {spec.causal}"
         )
     if problems:
-        raise DraftSpecError(problems, source=ARCHITECTURE)
+        raise DraftSpecError(problems, source=source)

@@ -1,0 +1,73 @@
+"""The Nemotron 3.5 DSpark draft (``NVIDIA-Nemotron-3.5-Lightning-*-DSpark``), registered as
+``DSparkNemotron35DraftModel``.
+
+The draft step it computes (shared doc, "DSpark step"): the DFlash backbone (context
+``hidden_norm(fc(concat(aux)))`` as K/V of every layer) run over a query block with CAUSAL
+attention, a sliding window and per-head attention sinks; the block's rows go through the final
+norm and the TARGET's lm_head (base logits ``U_k``); then a sequential Markov walk adds
+``markov_w2(markov_w1[prev])`` to ``U_k``, ``prev`` being the previously drafted token (the anchor
+first). vLLM's ``qwen3_dspark.Qwen3DSparkForCausalLM`` (vLLM 0.32/0.33) builds exactly these
+modules (``DFlashQwen3Model`` layers with ``sinks=`` / ``per_layer_sliding_window``, a
+``markov_head`` whose ``markov_w2`` is a ``ParallelLMHead`` that takes a quantization method), so
+this class reuses it and adds what the official checkpoints need around it:
+
+- it is chosen only for drafts that pass the structural check (``target_hook`` routes them here;
+  with method ``dspark`` vLLM would otherwise rewrite an unknown architecture to DeepSeek-V4);
+- it checks, after building, that the modules vLLM built are the ones the checkpoint describes
+  (layers, causality, sliding window, sinks, Markov rank, fc width), naming the field on mismatch;
+- ``markov_w2`` gets the plugin's NVFP4 W4A16 method (dequantized once on CPU, vLLM's FP4 kernels
+  on GPU); ``markov_w1`` stays a BF16 embedding, as in the checkpoint.
+
+The query layout (``sample_from_anchor``) and the Markov walk belong to the proposer
+(``proposers/dspark.py`` on vLLM's V1 runner; vLLM's ``DSparkSpeculator`` on the V2 runner, which
+reads the same flag), not to the model.
+"""
+
+from __future__ import annotations
+
+from vllm.config import VllmConfig
+from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+from vllm_nemotron_spec.draft_spec import DraftSpec, DraftSpecError
+from vllm_nemotron_spec.models.nemotron35_dflash import (
+    check_built_model_matches_spec,
+    draft_spec_from_vllm_config,
+)
+
+ARCHITECTURE = "DSparkNemotron35DraftModel"
+
+
+class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
+    """vLLM's DSpark Qwen3 draft, checked against the Nemotron 3.5 draft's validated spec."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        spec = draft_spec_from_vllm_config(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.draft_spec = spec
+        check_built_model_matches_spec(self, spec, vllm_config, source=ARCHITECTURE)
+        check_dspark_modules(self, spec)
+
+
+def check_dspark_modules(model, spec: DraftSpec) -> None:
+    """The DSpark-only parts: sliding window and sinks per layer, the Markov head's shapes."""
+    problems = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        window = getattr(attn, "sliding_window", None)
+        if window != spec.sliding_window:
+            problems.append(
+                f"layer {i}: sliding window {window} != the checkpoint's {spec.sliding_window} "
+                "(dflash_config.swa_window_size / sliding_window)"
+            )
+        has_sinks = getattr(attn, "attention_sink_bias", None) is not None
+        if has_sinks != spec.has_attention_sinks:
+            problems.append(
+                f"layer {i}: attention sinks {'built' if has_sinks else 'missing'}, "
+                f"dflash_config.attention_sink_bias is {spec.has_attention_sinks}"
+            )
+    head = model.model.markov_head
+    rank = head.markov_w1.embedding_dim
+    if rank != spec.markov_rank:
+        problems.append(f"Markov head rank {rank} != config.json markov_rank {spec.markov_rank}")
+    if problems:
+        raise DraftSpecError(problems, source=ARCHITECTURE)

