@@ -10,11 +10,11 @@ built once for the module: fp32, eager, prefix caching off (NemotronH on vllm-cp
 
 from __future__ import annotations
 
-import contextlib
-import json
 from typing import NamedTuple
 
 import pytest
+
+from recording import Step, record_proposals  # tests/e2e/recording.py
 
 from vllm_nemotron_spec import runs
 
@@ -37,19 +37,8 @@ MAX_SHIFTED_MEAN_ACCEPTANCE_LENGTH = 1.3
 
 @pytest.fixture(scope="module")
 def trained(tiny_family):
-    from vllm_nemotron_spec.draft_spec import DraftSpec
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
-    target_config = json.loads((tiny_family.target / "config.json").read_text())
-    layers = DraftSpec.from_pretrained(tiny_family.dflash_draft).num_hidden_layers
-    if not _fits_one_kv_cache_group(target_config, layers):  # fail before training drafts
-        pytest.fail(
-            f"the tiny target's pattern {target_config['hybrid_override_pattern']!r} with a "
-            f"{layers}-layer draft splits the draft's attention layers over several KV-cache "
-            "groups, which vLLM 0.32's V1 proposers refuse ('All drafting layers should belong to "
-            "the same kv cache group'): the target needs more Mamba blocks than 2/3 of (its "
-            "attention blocks + the draft's layers)"
-        )
     return ensure_trained_drafts(seed=0, family=tiny_family)
 
 
@@ -73,23 +62,6 @@ def prompts(tiny_family):
     return out
 
 
-def _fits_one_kv_cache_group(target_config: dict, num_draft_layers: int) -> bool:
-    """Whether vLLM 0.32's hybrid KV-cache grouping keeps all draft attention layers in one group
-    (``kv_cache_utils._get_kv_cache_groups_uniform_page_size``: group size = the smallest layer
-    count among the attention and Mamba buckets, or the largest when it is < 1.5x the smallest).
-    The V1 proposers assert one group ("All drafting layers should belong to the same kv cache
-    group"). Assumes the draft's attention layers share the target's KV spec (heads, head size),
-    as in the tiny family."""
-    pattern = target_config["hybrid_override_pattern"]
-    attention = pattern.count("*") + num_draft_layers
-    mamba = pattern.count("M")
-    if mamba == 0:
-        return True
-    small, large = min(attention, mamba), max(attention, mamba)
-    group = large if large < 1.5 * small else small
-    return group >= attention
-
-
 class EngineRun(NamedTuple):
     tokens: list[list[int]]
     counters: runs.SpecCounters
@@ -98,48 +70,11 @@ class EngineRun(NamedTuple):
     recorded: "Recorded | None" = None  # dflash only: one request's proposer steps
 
 
-class Step(NamedTuple):
-    positions: list[int]  # context positions handed to the draft this step (rejected ones cut)
-    tokens: list[int]  # the tokens at those positions
-    aux: "object"  # torch.Tensor [n, num_aux * hidden]: vLLM's target aux hidden states
-    bonus: int
-    drafts: list[int]
-
-
 class Recorded(NamedTuple):
     prompt: list[int]
     output: list[int]
     steps: list[Step]
     per_layer_context_k_norm: bool  # whether vLLM's draft norms context keys per layer
-
-
-@contextlib.contextmanager
-def _record_dflash_proposals():
-    """Record what vLLM's DFlash proposer receives (context positions, tokens, aux hidden states,
-    bonus token) and proposes, for a batch of ONE request."""
-    from vllm.v1.spec_decode.dflash import DFlashProposer
-
-    steps: list[Step] = []
-    original = DFlashProposer.propose
-
-    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
-                target_hidden_states, next_token_ids, *args, **kwargs):
-        drafts = original(self, num_speculative_tokens, target_token_ids, target_positions,
-                          target_hidden_states, next_token_ids, *args, **kwargs)
-        assert next_token_ids.shape[0] == 1, "record one request at a time"
-        rejected = kwargs.get("num_rejected_tokens_gpu")
-        n = target_positions.shape[0] - (int(rejected[0]) if rejected is not None else 0)
-        steps.append(Step(
-            target_positions[:n].tolist(), target_token_ids[:n].tolist(),
-            target_hidden_states[:n].clone(), int(next_token_ids[0]), drafts[0].tolist(),
-        ))
-        return drafts
-
-    DFlashProposer.propose = propose
-    try:
-        yield steps
-    finally:
-        DFlashProposer.propose = original
 
 
 def _draft_norms_context_keys_per_layer(llm) -> bool:
@@ -179,7 +114,7 @@ def results(tiny_family, trained, prompts):
             recorded = None
             if name == "dflash":  # one more request, alone, with the proposer recorded
                 prompt = prompts[-2]  # the 100-token prompt: it crosses a KV block while decoding
-                with _record_dflash_proposals() as steps:
+                with record_proposals() as steps:
                     single = runs.generate(llm, [prompt], MAX_TOKENS, name)
                 recorded = Recorded(
                     prompt["prompt_token_ids"], single.token_ids[0], steps,

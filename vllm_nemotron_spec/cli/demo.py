@@ -1,6 +1,6 @@
 """``vllm-nemotron-spec demo``: the tiny Nemotron-3.5-shaped family through the real vLLM engine.
 
-Builds (or reuses) the tiny family and a DFlash draft trained against its target (about 4-5
+Builds (or reuses) the tiny family and the DFlash and DSpark drafts trained against its target (about 6-7
 minutes on 2 cores the first time, then cached), decodes a fixed prompt set greedily with plain decoding and
 with each speculative method, and reports speed, acceptance and whether the speculative output is
 token-for-token identical to plain decoding. Exit code 0 only when every run is lossless.
@@ -12,11 +12,13 @@ import argparse
 import json
 import sys
 
-# method -> speculative method name (None = plain decoding). DFlash runs the draft trained against
-# the tiny target (vllm_nemotron_spec.tiny.train_draft; trained on first use, then cached).
+# method -> speculative method name (None = plain decoding). DFlash and DSpark run the drafts
+# trained against the tiny target (vllm_nemotron_spec.tiny.train_draft; trained on first use, then
+# cached).
 METHODS: dict[str, str | None] = {
     "plain": None,
     "dflash": "dflash",
+    "dspark": "dspark",
 }
 
 
@@ -73,10 +75,10 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
     from vllm.platforms import current_platform
 
     from vllm_nemotron_spec.draft_spec import DraftSpec
+    from vllm_nemotron_spec.bench import family_draft
     from vllm_nemotron_spec.runs import generate, make_llm, release
     from vllm_nemotron_spec.tiny.build import build_tiny_family, ensure_tiny_family
     from vllm_nemotron_spec.tiny.corpus import sample_prompts
-    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
     family = build_tiny_family(family_dir, seed=seed) if family_dir else ensure_tiny_family(seed=seed)
     prompts = (sample_prompts() * num_prompts)[:num_prompts]
@@ -88,7 +90,7 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
         spec = METHODS[method]
         speculative_config = None
         if spec is not None:
-            draft = str(ensure_trained_drafts(seed, family=family).dflash)
+            draft = family_draft(spec, family)
             speculative_config = {
                 "method": spec, "model": draft,
                 "num_speculative_tokens": DraftSpec.from_pretrained(draft)

@@ -1,4 +1,4 @@
-"""Train tiny DFlash drafts against the tiny NemotronH target (CPU, fp32, deterministic in a seed).
+"""Train tiny DFlash and DSpark drafts for the tiny NemotronH target (CPU, fp32, deterministic).
 
 What vLLM 0.32 computes in one DFlash step, reproduced here in plain torch by
 :func:`reference_dflash_forward` (read in vLLM's code; pinned by ``tests/tiny/test_train_draft.py``
@@ -41,9 +41,42 @@ fc, hidden_norm, the layers and norm train. ``label_offset=1`` trains the shifte
 ``r`` predicts ``L + r + 1``, the anchor row used as a prediction), which vLLM's layout serves one
 position off: acceptance collapses to ~1 token while outputs stay exact.
 
-For DSpark: :func:`block_attention_mask` takes ``causal`` and ``sliding_window`` and
-:func:`attention` per-head sinks; the Markov head and the ``sample_from_anchor`` layouts are
-still to add.
+What vLLM 0.33 computes in one DSpark step (model runner V2; this plugin's V1 proposer is to
+match it), reproduced by :func:`reference_dspark_propose` and pinned by
+``tests/tiny/test_train_dspark.py``:
+
+* Backbone (``models/qwen3_dspark.py``: ``Qwen3DSparkModel`` extends ``DFlashQwen3Model``): the
+  DFlash context and layers above. Per layer (``qwen3_dflash.py`` ``_resolve_layer_attention``,
+  ``DFlashQwen3Attention``): ``sliding_attention`` layers get ``dflash_config.swa_window_size``
+  (else ``sliding_window``), ``dflash_config.causal`` makes the block causal (row ``i`` sees rows
+  ``0 .. i``), ``dflash_config.attention_sink_bias`` adds ``attention_sink_bias`` [num_heads]
+  passed as ``Attention(sinks=...)``. RoPE from ``rope_scaling`` (null: plain).
+* Window: a query at position ``p`` sees keys at ``p - sliding_window < pos <= p`` (context and
+  block alike): flash-attn's ``window_size=(sliding_window - 1, 0)``
+  (``v1/attention/backends/flash_attn.py``), and what the CPU kernel
+  (``cpu_attn.py`` -> ``ops.cpu_attention_with_kv_cache(sliding_window=...)``) computes, checked
+  against it by a test.
+* Sinks: one logit per head added to the softmax denominator only (no value, not scaled by
+  ``head_dim ** -0.5``): the kernels' ``s_aux``, same test.
+* Query layout (``v1/worker/gpu/spec_decode/dspark/speculator.py``, the ``SAMPLE_FROM_ANCHOR``
+  branch of ``_prepare_dflash_inputs_kernel`` in ``dflash/speculator.py``), read from the
+  config's TOP-LEVEL ``sample_from_anchor`` (absent = true): false ("bonus anchor", Nemotron
+  3.5): ``[b, MASK x gamma]`` at ``L .. L + gamma``, row ``k`` gives ``U_k`` for position
+  ``L + k``; true: ``[b, MASK x (gamma - 1)]`` at ``L .. L + gamma - 1``, row ``k - 1`` gives
+  ``U_k`` (row ``r`` predicts ``L + r + 1``). ``U_k`` = the TARGET's lm_head of the row.
+* Markov walk (``DSparkSpeculator._sample_sequential``, ``DSparkMarkovHead``): ``prev = b``; for
+  ``k = 1 .. gamma``: ``logits_k = U_k + markov_w2(markov_w1[prev])`` (``markov_w1`` an
+  embedding [vocab, rank], ``markov_w2`` a linear rank -> vocab, weight [vocab, rank]), greedy
+  ``x_k = argmax``, ``prev = x_k`` (:func:`markov_walk`).
+
+:func:`train_dspark_draft` trains backbone and Markov head jointly, teacher-forced: the Markov
+input of position ``k`` is the true token ``k - 1`` (the bonus for ``k = 1``), which is the walk
+whenever the earlier drafts were accepted, so the only case greedy acceptance uses. Same data,
+anchors and position decay as DFlash; the backbone starts from the trained DFlash draft (same
+shapes), sinks and Markov head from the family's DSpark draft. The causal block makes the anchor
+layout read the same weights one row off, so the wrong-anchor twin (``sample_from_anchor: true``)
+collapses to ~1.2 tokens. Sliding-window blocks attend to their own window of context
+(:func:`windowed_block_attention_mask`), several times cheaper than the dense mask.
 
 :func:`ensure_trained_drafts` caches the trained drafts next to the tiny family (manifest with
 the hash of every parameter and of the family's files; built under a file lock in a temporary
@@ -69,13 +102,15 @@ from torch import nn
 
 from vllm_nemotron_spec.tiny.build import _file_lock, _file_table, _install_dir, _say
 
-TRAINER_VERSION = 1
+TRAINER_VERSION = 2
 """Bump when the trainer's code changes its output for the same parameters."""
 
 MANIFEST = "manifest.json"
 DFLASH = "dflash"
 DFLASH_SHIFTED = "dflash_shifted"
 DFLASH_UNQUANTIZED = "dflash_unquantized"
+DSPARK = "dspark"
+DSPARK_WRONG_ANCHOR = "dspark_wrong_anchor"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,6 +147,7 @@ class TrainParams:
     """Optimisation of one draft."""
 
     block_size: int = 5  # query rows per block: [b, MASK x (block_size - 1)] -> gamma = 4
+    # (DSpark: gamma = block_size - 1 drafts are trained, in the layout the config names)
     label_offset: int = 0  # 0: row r predicts L + r (vLLM's layout); 1: the shifted control
     steps: int = 120
     seqs_per_step: int = 8
@@ -141,6 +177,16 @@ class TrainerSpec:
     dflash_shifted: TrainParams = field(
         default_factory=lambda: TrainParams(label_offset=1, steps=80)
     )
+    # gamma 8 (the family's DSpark block_size); 16 anchors x 8 rows costs what DFlash's 32 x 4 do
+    dspark: TrainParams = field(
+        default_factory=lambda: TrainParams(
+            block_size=9, anchors_per_seq=16, steps=60, warmup_steps=10
+        )
+    )
+    # Start the DSpark backbone from the trained DFlash one (same shapes; sinks and the Markov
+    # head from the family's DSpark draft): in this budget it ends far better than the random init.
+    dspark_init_from_dflash: bool = True
+    dspark_eval_gammas: tuple[int, ...] = (3, 8)  # offline acceptance reported in the manifest
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -457,15 +503,46 @@ class DFlashDraft(nn.Module):
         return rope_cos_sin(self.head_dim, self.rope_theta, self.rope_scaling, positions)
 
 
+class MarkovHead(nn.Module):
+    """vLLM's vanilla ``DSparkMarkovHead``: ``markov_w1`` [vocab, rank] embeds the previous token,
+    ``markov_w2`` (a linear rank -> vocab, weight [vocab, rank]) turns it into a vocab bias."""
+
+    def __init__(self, vocab_size: int, rank: int, draft_vocab_size: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size, bias=False)
+
+    def forward(self, prev_tokens: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(prev_tokens))
+
+
+class DSparkDraft(DFlashDraft):
+    """The DFlash backbone plus the Markov head (checkpoint names ``markov_head.markov_w{1,2}``)
+    and the query layout, read from the config's top-level ``sample_from_anchor``."""
+
+    def __init__(self, spec, is_neox_style: bool = True):
+        super().__init__(spec, is_neox_style)
+        if spec.markov_head_type not in (None, "vanilla") or spec.markov_rank is None:
+            raise NotImplementedError(
+                f"DSpark Markov head {spec.markov_head_type!r} with rank {spec.markov_rank}: the "
+                "trainer implements the vanilla head (markov_w1 / markov_w2)"
+            )
+        self.markov_head = MarkovHead(
+            spec.vocab_size, spec.markov_rank, spec.draft_vocab_size or spec.vocab_size
+        )
+        self.sample_from_anchor = spec.sample_from_anchor
+
+
 def load_draft_module(path: str | Path) -> tuple[DFlashDraft, object]:
-    """A DFlash draft checkpoint (NVFP4 dequantized, BF16 upcast) as :class:`DFlashDraft`, and
-    its :class:`~vllm_nemotron_spec.draft_spec.DraftSpec`."""
+    """A draft checkpoint (NVFP4 dequantized, BF16 upcast) as :class:`DFlashDraft` (DFlash) or
+    :class:`DSparkDraft` (DSpark), and its :class:`~vllm_nemotron_spec.draft_spec.DraftSpec`."""
     from vllm_nemotron_spec.draft_spec import DraftSpec
     from vllm_nemotron_spec.tiny.drafts import read_draft_state_dict
 
     spec = DraftSpec.from_pretrained(path)
     config = json.loads((Path(path) / "config.json").read_text())
-    model = DFlashDraft(spec, is_neox_style=bool(config.get("is_neox_style", True)))
+    cls = DSparkDraft if spec.method == "dspark" else DFlashDraft
+    model = cls(spec, is_neox_style=bool(config.get("is_neox_style", True)))
     model.load_state_dict(read_draft_state_dict(path), strict=True)
     return model, spec
 
@@ -505,6 +582,25 @@ def block_attention_mask(
         ctx_ok = ctx_ok & (ctx_pos[None, None, :] > q_pos[..., None] - sliding_window)
         blk_ok = blk_ok & (q_pos[:, None, :] > q_pos[..., None] - sliding_window)
     return torch.cat([ctx_ok, blk_ok], dim=-1)
+
+
+def windowed_block_attention_mask(
+    anchors: torch.Tensor, block_size: int, sliding_window: int, causal: bool
+) -> torch.Tensor:
+    """:func:`block_attention_mask` laid out one block per batch entry, for sliding-window drafts:
+    ``[S * K, B, (sliding_window - 1) + B]`` against the ``sliding_window - 1`` context positions
+    ``L - sliding_window + 1 .. L - 1`` (the most any row of the block at ``L`` can see; negative
+    positions masked) followed by the block's own rows. Same attention, far fewer keys than the
+    whole context and every other block's rows."""
+    S, K = anchors.shape
+    B, W = block_size, sliding_window
+    q_pos = anchors[..., None] + torch.arange(B)  # [S, K, B]
+    ctx_pos = anchors[..., None] - (W - 1) + torch.arange(W - 1)  # [S, K, W - 1]
+    ctx_ok = (ctx_pos[..., None, :] >= 0) & (ctx_pos[..., None, :] > q_pos[..., None] - W)
+    blk_ok = q_pos[..., None, :] > q_pos[..., None] - W
+    if causal:
+        blk_ok = blk_ok & torch.ones(B, B, dtype=torch.bool).tril()
+    return torch.cat([ctx_ok, blk_ok], dim=-1).view(S * K, B, W - 1 + B)
 
 
 def attention(q, k, v, allowed, sinks=None):
@@ -548,6 +644,8 @@ def reference_dflash_forward(
     tokens: torch.Tensor,
     anchors: torch.Tensor,
     block_size: int,
+    *,
+    dense_mask: bool = False,
 ) -> torch.Tensor:
     """The draft's final-normed hidden states ``[S, K, block_size, hidden]`` for ``K`` query
     blocks per sequence, each exactly vLLM's DFlash step for its anchor.
@@ -556,7 +654,10 @@ def reference_dflash_forward(
     ``[S, T]`` (positions ``0 .. T-1``). Block ``k`` of sequence ``s`` is the step with committed
     length ``L = anchors[s, k]`` and bonus token ``tokens[s, L]``: the query ``[t_L, MASK ...]``
     at positions ``L ..`` attends to the context of positions ``< L`` and to its own rows. Row
-    ``j >= 1`` is vLLM's proposal for position ``L + j`` (:func:`draft_logits`).
+    ``j >= 1`` is vLLM's proposal for position ``L + j`` (:func:`draft_logits`). With a sliding
+    window (DSpark) each block attends to its own window of context
+    (:func:`windowed_block_attention_mask`) unless ``dense_mask``: one mask over every key, the
+    same attention computed the slow way (tests compare the two).
     """
     S, T = tokens.shape
     K, B = anchors.shape[1], block_size
@@ -567,10 +668,22 @@ def reference_dflash_forward(
     ids, q_pos = block_inputs(tokens, anchors, B, draft.mask_token_id)
     x = draft.embed_tokens(ids.reshape(S, K * B))
     ctx = draft_context(draft, aux)
-    allowed = block_attention_mask(anchors, B, T, draft.causal, draft.sliding_window)
+    window = draft.sliding_window
+    windowed = window is not None and window - 1 < T and not dense_mask
+    if windowed:
+        allowed = windowed_block_attention_mask(anchors, B, window, draft.causal)
+        ctx_rows = (anchors[..., None] - (window - 1) + torch.arange(window - 1)).clamp(min=0)
+        ctx_rows = (ctx_rows + T * torch.arange(S)[:, None, None]).reshape(-1)  # into [S * T]
+    else:
+        allowed = block_attention_mask(anchors, B, T, draft.causal, window)
     q_cos, q_sin = draft.rope(q_pos.reshape(S, K * B))
     c_cos, c_sin = draft.rope(torch.arange(T))
     nh, nkv, hd, neox = draft.num_heads, draft.num_kv_heads, draft.head_dim, draft.is_neox_style
+
+    def per_block(ctx_part, blk):  # one batch entry per block: its context window, its rows
+        ctx_part = ctx_part.reshape(S * T, nkv, hd)[ctx_rows].view(S * K, window - 1, nkv, hd)
+        return torch.cat([ctx_part, blk.reshape(S * K, B, nkv, hd)], dim=1)
+
     for layer in draft.layers:
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -578,8 +691,15 @@ def reference_dflash_forward(
         k = apply_rope(attn.k_norm(attn.k_proj(h).view(S, K * B, nkv, hd)), q_cos, q_sin, neox)
         v = attn.v_proj(h).view(S, K * B, nkv, hd)
         k_ctx, v_ctx = context_kv(layer, draft, ctx, c_cos, c_sin)
-        k, v = torch.cat([k_ctx, k], dim=1), torch.cat([v_ctx, v], dim=1)
-        x = x + attn.o_proj(attention(q, k, v, allowed, attn.attention_sink_bias))
+        if windowed:
+            out = attention(
+                q.reshape(S * K, B, nh, hd), per_block(k_ctx, k), per_block(v_ctx, v), allowed,
+                attn.attention_sink_bias,
+            ).view(S, K * B, nh * hd)
+        else:
+            k, v = torch.cat([k_ctx, k], dim=1), torch.cat([v_ctx, v], dim=1)
+            out = attention(q, k, v, allowed, attn.attention_sink_bias)
+        x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return draft.norm(x).view(S, K, B, -1)
 
@@ -608,6 +728,91 @@ def reference_dflash_propose(
             draft, aux, tokens, torch.tensor([[L]]), num_speculative_tokens + 1
         )
         return draft_logits(hidden[0, 0, 1:], lm_head_weight).argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# DSpark: base logits of the layout the config names, then the sequential Markov walk
+# ---------------------------------------------------------------------------------------------
+
+
+def dspark_first_row(draft: DSparkDraft) -> int:
+    """The query row giving ``U_1``: 1 in the bonus-anchor layout (``sample_from_anchor: false``,
+    ``[b, MASK x gamma]``, row 0 dropped), 0 in the anchor layout (``[b, MASK x (gamma - 1)]``,
+    row ``r`` predicts ``L + r + 1``)."""
+    return 0 if draft.sample_from_anchor else 1
+
+
+def reference_dspark_base_logits(
+    draft: DSparkDraft,
+    lm_head_weight: torch.Tensor,
+    aux: torch.Tensor,
+    tokens: torch.Tensor,
+    anchors: torch.Tensor,
+    num_speculative_tokens: int,
+) -> torch.Tensor:
+    """``U_1 .. U_gamma`` ``[S, K, gamma, vocab]`` of the blocks at ``anchors`` (bonus
+    ``tokens[L]``), in the query layout of ``draft.sample_from_anchor``; ``U_k`` is the draft's
+    base guess for position ``L + k`` in both layouts (before the Markov bias)."""
+    first = dspark_first_row(draft)
+    hidden = reference_dflash_forward(
+        draft, aux, tokens, anchors, first + num_speculative_tokens
+    )
+    return draft_logits(hidden[:, :, first:], lm_head_weight)
+
+
+def markov_walk(draft: DSparkDraft, base_logits: torch.Tensor, bonus: torch.Tensor):
+    """vLLM's greedy DSpark sampling (``DSparkSpeculator._sample_sequential``): ``prev = b``; for
+    ``k = 1 .. gamma``: ``logits_k = U_k + markov_w2(markov_w1[prev])``, ``x_k = argmax``,
+    ``prev = x_k``. ``base_logits`` ``[N, gamma, V]``, ``bonus`` ``[N]`` -> ``(x [N, gamma],
+    corrected logits [N, gamma, V])``; the corrected logits are the draft distribution q."""
+    prev = bonus
+    drafted, corrected = [], []
+    for k in range(base_logits.shape[1]):
+        logits = base_logits[:, k] + draft.markov_head(prev)
+        prev = logits.argmax(-1)
+        drafted.append(prev)
+        corrected.append(logits)
+    return torch.stack(drafted, dim=1), torch.stack(corrected, dim=1)
+
+
+def dspark_teacher_forced_logits(
+    draft: DSparkDraft,
+    lm_head_weight: torch.Tensor,
+    aux: torch.Tensor,
+    tokens: torch.Tensor,
+    anchors: torch.Tensor,
+    num_speculative_tokens: int,
+) -> torch.Tensor:
+    """``U_k + markov_w2(markov_w1[t[L + k - 1]])`` ``[S, K, gamma, V]``: the walk's logits when
+    every earlier draft was right (the Markov input is the TRUE previous token, the bonus for
+    ``k = 1``), which is all that greedy acceptance ever uses. Training's logits."""
+    gamma = num_speculative_tokens
+    base = reference_dspark_base_logits(draft, lm_head_weight, aux, tokens, anchors, gamma)
+    S, K = anchors.shape
+    prev = tokens.gather(1, (anchors[..., None] + torch.arange(gamma)).reshape(S, -1))
+    return base + draft.markov_head(prev.view(S, K, gamma))
+
+
+def reference_dspark_propose(
+    draft: DSparkDraft,
+    lm_head_weight: torch.Tensor,
+    aux: torch.Tensor,
+    committed: torch.Tensor,
+    bonus: int,
+    num_speculative_tokens: int,
+) -> tuple[list[int], torch.Tensor]:
+    """One greedy DSpark step for one request: the committed tokens ``[L]`` with their aux hidden
+    states ``[L, num_aux * hidden]`` and the bonus token -> the ``num_speculative_tokens``
+    drafted ids and the corrected logits ``[gamma, vocab]`` (query layout from the config)."""
+    L = committed.shape[0]
+    tokens = torch.cat([committed, torch.tensor([bonus])])[None]
+    aux = torch.cat([aux, aux.new_zeros(1, aux.shape[-1])])[None]  # row L is never context
+    with torch.no_grad():
+        base = reference_dspark_base_logits(
+            draft, lm_head_weight, aux, tokens, torch.tensor([[L]]), num_speculative_tokens
+        )
+        drafted, logits = markov_walk(draft, base[0], torch.tensor([bonus]))
+    return drafted[0].tolist(), logits[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,16 +870,80 @@ def train_draft(
     """Train ``draft`` in place (fc, hidden_norm, layers, norm; embed_tokens frozen) on ``data``
     minus ``params.eval_sequences`` held-out sequences, through :func:`reference_dflash_forward`;
     deterministic in ``seed`` (fixed thread count, deterministic algorithms)."""
+    train, held_out = data.split(params.eval_sequences)
+    B = params.block_size
+    distance = torch.arange(B) + params.label_offset  # how far ahead each row predicts
+    weights = torch.exp(-(distance.clamp(min=1) - 1).float() / params.position_decay)
+    lm_head_weight = lm_head_weight.detach()
+
+    def batch_loss(tokens, aux, anchors):
+        hidden = reference_dflash_forward(draft, aux, tokens, anchors, B)
+        labels, valid = block_labels(tokens, anchors, B, params.label_offset)
+        logits = draft_logits(hidden[valid], lm_head_weight)
+        w = weights.expand_as(valid)[valid]
+        return (F.cross_entropy(logits, labels[valid], reduction="none") * w).sum() / w.sum()
+
+    def evaluate():
+        stats = {"vllm_layout": offline_acceptance(draft, lm_head_weight, held_out, B - 1)}
+        if params.label_offset:
+            stats["trained_layout"] = offline_acceptance(
+                draft, lm_head_weight, held_out, B - 1, first_row=0
+            )
+        return stats
+
+    last_anchors = train.lengths - B - params.label_offset  # the last label must exist
+    return _optimise(draft, train, last_anchors, batch_loss, evaluate, params, seed, progress, desc)
+
+
+def train_dspark_draft(
+    draft: DSparkDraft,
+    lm_head_weight: torch.Tensor,
+    data: DraftData,
+    params: TrainParams,
+    seed: int,
+    progress: bool = True,
+    desc: str = "training DSpark draft",
+) -> TrainResult:
+    """Train a DSpark draft in place, backbone and Markov head jointly, teacher-forced
+    (:func:`dspark_teacher_forced_logits`: the Markov input of position ``k`` is the true token
+    ``k - 1``), for ``gamma = params.block_size - 1`` drafts in the layout of
+    ``draft.sample_from_anchor``; position ``k`` weighted ``exp(-(k - 1) / position_decay)``.
+    ``embed_tokens`` frozen; deterministic in ``seed``."""
+    if params.label_offset:
+        raise ValueError("DSpark's layouts come from sample_from_anchor, not label_offset")
+    train, held_out = data.split(params.eval_sequences)
+    gamma = params.block_size - 1
+    weights = torch.exp(-torch.arange(gamma).float() / params.position_decay)
+    lm_head_weight = lm_head_weight.detach()
+
+    def batch_loss(tokens, aux, anchors):
+        logits = dspark_teacher_forced_logits(draft, lm_head_weight, aux, tokens, anchors, gamma)
+        S, K = anchors.shape
+        labels = tokens.gather(1, (anchors[..., None] + 1 + torch.arange(gamma)).reshape(S, -1))
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                             reduction="none")
+        w = weights.repeat(S * K)
+        return (ce * w).sum() / w.sum()
+
+    def evaluate():
+        return {"gamma": gamma, "acceptance": offline_dspark_acceptance(
+            draft, lm_head_weight, held_out, gamma
+        )}
+
+    last_anchors = train.lengths - 1 - gamma  # the label of position L + gamma must exist
+    return _optimise(draft, train, last_anchors, batch_loss, evaluate, params, seed, progress, desc)
+
+
+def _optimise(
+    draft, train: DraftData, last_anchors, batch_loss, evaluate, params: TrainParams, seed: int,
+    progress: bool, desc: str,
+) -> TrainResult:
+    """The shared loop: AdamW with warmup and cosine decay, ``params.seqs_per_step`` sequences
+    and ``params.anchors_per_seq`` anchors each per step, then ``evaluate()`` in eval mode."""
     from tqdm.auto import tqdm
 
     from vllm_nemotron_spec.tiny._torch import deterministic_torch
 
-    train, held_out = data.split(params.eval_sequences)
-    B = params.block_size
-    last_anchors = train.lengths - B - params.label_offset  # the last label must exist
-    distance = torch.arange(B) + params.label_offset  # how far ahead each row predicts
-    weights = torch.exp(-(distance.clamp(min=1) - 1).float() / params.position_decay)
-    lm_head_weight = lm_head_weight.detach()
     t0 = time.monotonic()
     losses: list[float] = []
     with deterministic_torch(params.num_threads):
@@ -694,11 +963,7 @@ def train_draft(
             anchors = sample_anchors(
                 train.prompt_lens[seqs], last_anchors[seqs], params.anchors_per_seq, gen
             )
-            hidden = reference_dflash_forward(draft, aux, tokens, anchors, B)
-            labels, valid = block_labels(tokens, anchors, B, params.label_offset)
-            logits = draft_logits(hidden[valid], lm_head_weight)
-            w = weights.expand_as(valid)[valid]
-            loss = (F.cross_entropy(logits, labels[valid], reduction="none") * w).sum() / w.sum()
+            loss = batch_loss(tokens, aux, anchors)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip, foreach=False)
             opt.step()
@@ -707,11 +972,7 @@ def train_draft(
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         bar.close()
         draft.eval()
-        stats = {"vllm_layout": offline_acceptance(draft, lm_head_weight, held_out, B - 1)}
-        if params.label_offset:
-            stats["trained_layout"] = offline_acceptance(
-                draft, lm_head_weight, held_out, B - 1, first_row=0
-            )
+        stats = evaluate()
     state = {k: v.detach().clone() for k, v in draft.state_dict().items()}
     return TrainResult(state, losses, time.monotonic() - t0, stats)
 
@@ -747,12 +1008,45 @@ def offline_acceptance(
                 drafts = draft_logits(hidden[0, :, first_row:], lm_head_weight).argmax(-1)
                 targets = data.tokens[s, anchors[0, :, None] + 1 + torch.arange(gamma)]
                 accepted.append((drafts == targets).long().cumprod(dim=-1))
-    acc = torch.cat(accepted).float()  # [steps, gamma]: 1 where drafts 1..k were all accepted
+    return _acceptance_stats(torch.cat(accepted).float())
+
+
+def _acceptance_stats(acc: torch.Tensor) -> dict:
+    """``acc`` [steps, gamma]: 1 where drafts 1..k were all accepted."""
     return {
         "num_steps": int(acc.shape[0]),
         "mean_acceptance_length": round(1.0 + float(acc.sum(-1).mean()), 4),
         "per_position": [round(float(x), 4) for x in acc.mean(0)],
     }
+
+
+def offline_dspark_acceptance(
+    draft: DSparkDraft,
+    lm_head_weight: torch.Tensor,
+    data: DraftData,
+    num_speculative_tokens: int,
+    *,
+    chunk: int = 64,
+) -> dict:
+    """:func:`offline_acceptance` for DSpark: at every anchor ``L`` after the prompt, the greedy
+    Markov walk (:func:`markov_walk`, query layout from the config) against
+    ``t[L+1 .. L+gamma]``."""
+    gamma = num_speculative_tokens
+    accepted = []
+    with torch.no_grad():
+        for s in range(data.tokens.shape[0]):
+            p, length = int(data.prompt_lens[s]), int(data.lengths[s])
+            all_anchors = torch.arange(p, length - gamma)
+            for k in range(0, all_anchors.numel(), chunk):
+                anchors = all_anchors[k : k + chunk][None]
+                base = reference_dspark_base_logits(
+                    draft, lm_head_weight, data.aux[s : s + 1], data.tokens[s : s + 1], anchors,
+                    gamma,
+                )
+                drafts, _ = markov_walk(draft, base[0], data.tokens[s, anchors[0]])
+                targets = data.tokens[s, anchors[0, :, None] + 1 + torch.arange(gamma)]
+                accepted.append((drafts == targets).long().cumprod(dim=-1))
+    return _acceptance_stats(torch.cat(accepted).float())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -799,11 +1093,16 @@ class TrainedDrafts:
     dflash: Path  # the official layout: fc and MLP linears NVFP4, the rest BF16
     dflash_shifted: Path  # same layout; trained with the anchor row as a prediction
     dflash_unquantized: Path  # ``dflash``'s weights, all BF16, no quantization_config
+    dspark: Path  # the family's DSpark layout (bonus anchor, sample_from_anchor false), trained
+    dspark_wrong_anchor: Path  # ``dspark``'s weights, config saying sample_from_anchor true
 
     @classmethod
     def at(cls, root: str | Path) -> "TrainedDrafts":
         root = Path(root)
-        return cls(root, root / DFLASH, root / DFLASH_SHIFTED, root / DFLASH_UNQUANTIZED)
+        return cls(
+            root, root / DFLASH, root / DFLASH_SHIFTED, root / DFLASH_UNQUANTIZED, root / DSPARK,
+            root / DSPARK_WRONG_ANCHOR,
+        )
 
     def manifest(self) -> dict:
         return json.loads((self.root / MANIFEST).read_text())
@@ -814,8 +1113,8 @@ def ensure_trained_drafts(
 ) -> TrainedDrafts:
     """The drafts trained against the tiny family of ``seed`` (default
     ``ensure_tiny_family(seed)``), cached next to it in ``tiny-drafts-trained-seed{seed}``:
-    trained on first use (~2-3 minutes on 2 cores), reused while the family's target and DFlash
-    draft files and every trainer parameter are unchanged. Parallel processes wait on a file
+    trained on first use (~3-4 minutes on 2 cores), reused while the family's target and draft
+    files and every trainer parameter are unchanged. Parallel processes wait on a file
     lock; the first trains, the others reuse."""
     if family is None:
         from vllm_nemotron_spec.tiny.build import ensure_tiny_family
@@ -828,12 +1127,14 @@ def ensure_trained_drafts(
 
 
 def cache_key(family, seed: int, spec: TrainerSpec) -> str:
-    """Hash of the trainer version, its parameters, the seed and the family's target and DFlash
-    draft files (the draft's config and initial weights are the starting point)."""
+    """Hash of the trainer version, its parameters, the seed and the family's target, DFlash and
+    DSpark draft files (the drafts' configs and initial weights are the starting point)."""
     manifest = family.manifest()
     files = manifest.get("files", {})
     family_files = {
-        k: v.get("sha256") for k, v in files.items() if k.startswith(("target/", "dflash/"))
+        k: v.get("sha256")
+        for k, v in files.items()
+        if k.startswith(("target/", "dflash/", "dspark/"))
     }
     blob = json.dumps(
         {
@@ -894,7 +1195,7 @@ def _train_into(root: Path, family, seed: int, spec: TrainerSpec, progress: bool
     from vllm_nemotron_spec.tiny.drafts import DraftParams, write_draft
 
     t0 = time.monotonic()
-    _say(progress, f"training tiny DFlash drafts (seed {seed}) into {root.parent}")
+    _say(progress, f"training tiny DFlash and DSpark drafts (seed {seed}) into {root.parent}")
     _, dspec = load_draft_module(family.dflash_draft)
     with deterministic_torch(spec.dflash.num_threads):
         data = generate_draft_data(
@@ -944,8 +1245,87 @@ def _train_into(root: Path, family, seed: int, spec: TrainerSpec, progress: bool
                     served, lm_head, held_out, params.block_size - 1
                 )
         _say(progress, f"{name}: {json.dumps(stats[name])}")
+        if name == DFLASH:
+            dflash_state = result.state_dict
+    stats[DSPARK] = _train_dspark_into(
+        root, family, seed, spec, data, aux_hidden_state_ids(dspec), lm_head, dflash_state,
+        progress,
+    )
     stats["total_seconds"] = round(time.monotonic() - t0, 1)
     return stats
+
+
+def _train_dspark_into(
+    root, family, seed, spec, data, data_aux_ids, lm_head, dflash_state, progress
+) -> dict:
+    """Train the family's DSpark draft, write it and its wrong-anchor twin; their stats."""
+    from vllm_nemotron_spec.tiny._torch import deterministic_torch
+    from vllm_nemotron_spec.tiny.drafts import DraftParams, write_draft
+
+    params = spec.dspark
+    draft, sspec = load_draft_module(family.dspark_draft)
+    if not isinstance(draft, DSparkDraft) or draft.sample_from_anchor:
+        raise AssertionError(f"{family.dspark_draft} is not a bonus-anchor DSpark draft")
+    ids = aux_hidden_state_ids(sspec)
+    if ids != data_aux_ids:  # the family's drafts share them; a DSpark of its own needs its data
+        with deterministic_torch(params.num_threads):
+            data = generate_draft_data(family.target, seed, spec.data, ids, progress)
+    copied = []
+    if spec.dspark_init_from_dflash:
+        copied = init_from_state(draft, dflash_state)
+    result = train_dspark_draft(draft, lm_head, data, params, seed + 2, progress, desc=DSPARK)
+    path = write_draft(
+        root / DSPARK, DSPARK, result.state_dict, family.target,
+        params=DraftParams(**family.manifest()["params"]["draft"]),
+        target_layer_ids=list(sspec.target_layer_ids), mask_token_id=sspec.mask_token_id,
+    )
+    expected = json.loads((family.dspark_draft / "config.json").read_text())
+    if json.loads((path / "config.json").read_text()) != expected:
+        raise AssertionError(f"{path}/config.json differs from the family's DSpark draft")
+    wrong = write_wrong_anchor_twin(path, root / DSPARK_WRONG_ANCHOR)
+    stats = {
+        "train_seconds": round(result.seconds, 1),
+        "first_loss": round(result.losses[0], 4),
+        "final_loss": round(sum(result.losses[-10:]) / len(result.losses[-10:]), 4),
+        "tensors_from_dflash": len(copied),  # the backbone; sinks and Markov head from the family
+        "offline_fp32": result.eval,
+    }
+    # Acceptance of what is served: the written weights (NVFP4 dequantized, BF16 rounded).
+    _, held_out = data.split(params.eval_sequences)
+    for label, written in ((DSPARK, path), (DSPARK_WRONG_ANCHOR, wrong)):
+        served, _ = load_draft_module(written)
+        with deterministic_torch(params.num_threads):
+            stats[f"offline_{label}"] = {
+                f"gamma_{g}": offline_dspark_acceptance(served, lm_head, held_out, g)
+                for g in spec.dspark_eval_gammas
+            }
+    _say(progress, f"{DSPARK}: {json.dumps(stats)}")
+    return stats
+
+
+def init_from_state(draft: nn.Module, state: dict) -> list[str]:
+    """Copy into ``draft`` every tensor of ``state`` whose name and shape it shares (a trained
+    DFlash backbone into a DSpark draft); returns the names copied."""
+    own = draft.state_dict()
+    shared = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    with torch.no_grad():
+        for name, value in shared.items():
+            own[name].copy_(value)
+    return list(shared)
+
+
+def write_wrong_anchor_twin(dspark_dir: str | Path, outdir: str | Path) -> Path:
+    """A copy of a bonus-anchor DSpark checkpoint whose config says ``sample_from_anchor: true``
+    (top level and ``dflash_config``; ``dspark_bonus_anchor: false`` to match): the same weights
+    read in the anchor layout, one row off from what they were trained for."""
+    dspark_dir, outdir = Path(dspark_dir), Path(outdir)
+    shutil.copytree(dspark_dir, outdir)
+    config = json.loads((outdir / "config.json").read_text())
+    config["sample_from_anchor"] = True
+    config["dflash_config"]["sample_from_anchor"] = True
+    config["dspark_bonus_anchor"] = False
+    (outdir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return outdir
 
 
 def target_lm_head(target_dir: str | Path) -> torch.Tensor:

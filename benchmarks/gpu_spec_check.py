@@ -1,13 +1,16 @@
-"""GPU check of the Nemotron 3.5 DFlash path on vLLM 0.33 (CUDA, model runner V2).
+"""GPU check of the Nemotron 3.5 DFlash and DSpark paths on vLLM 0.33 (CUDA).
 
-Runs the tiny family's NemotronH target with plain decoding and with the DFlash drafts trained
-against it (`vllm_nemotron_spec.tiny.train_draft.ensure_trained_drafts`; the official layout and
-the shifted-layout control),
-and records: greedy lossless (token-identical to plain decoding), mean acceptance length,
-per-position acceptance, which draft class vLLM built. Nothing is downloaded; the tiny family is
-read from $VLLM_NEMOTRON_SPEC_CACHE (carry `.cache/nemotron-spec` to the GPU machine).
+Runs the tiny family's NemotronH target with plain decoding and with the drafts trained against
+it (`vllm_nemotron_spec.tiny.train_draft.ensure_trained_drafts`): DFlash (official layout and the
+shifted-layout control) and DSpark (bonus-anchor layout as trained, and the same weights with
+`sample_from_anchor: true`, the wrong-anchor control). Records per run: greedy lossless
+(token-identical to plain decoding), mean acceptance length, per-position acceptance, tokens/s.
+`--runner v2` (vLLM's default on CUDA: DFlashSpeculator / DSparkSpeculator running the plugin's
+draft classes) or `--runner v1` (vLLM's V1 runner with the plugin's proposers, as on CPU).
+Nothing is downloaded; the tiny family is read from $VLLM_NEMOTRON_SPEC_CACHE (carry
+`.cache/nemotron-spec` to the GPU machine).
 
-    python benchmarks/gpu_dflash_check.py --out /tmp/dflash-gpu     # ~2-4 minutes on an H200
+    python benchmarks/gpu_spec_check.py --out /tmp/spec-gpu --runner v2   # ~2-4 minutes on an H200
 """
 
 from __future__ import annotations
@@ -23,24 +26,31 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def drafts_to_check(seed: int = 0) -> dict[str, Path]:
-    """The trained DFlash drafts (official layout, and the shifted-layout control), from the cache."""
+def drafts_to_check(seed: int = 0) -> dict[str, tuple[str, Path, int]]:
+    """name -> (method, draft, num_speculative_tokens), from the cache of trained drafts."""
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
     trained = ensure_trained_drafts(seed)
-    return {"dflash-trained": trained.dflash, "dflash-shifted-layout": trained.dflash_shifted}
+    return {
+        "dflash-trained": ("dflash", trained.dflash, 4),
+        "dflash-shifted-layout": ("dflash", trained.dflash_shifted, 4),
+        "dspark-trained": ("dspark", trained.dspark, 3),
+        "dspark-wrong-anchor": ("dspark", trained.dspark_wrong_anchor, 3),
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--runner", choices=("v1", "v2"), default="v2")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--only", default=None, help="comma-separated subset of the draft names")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_NEMOTRON_SPEC_CACHE", str(REPO / ".cache" / "nemotron-spec"))
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
 
     import torch
     import vllm
@@ -55,34 +65,39 @@ def main() -> int:
     prompts[-1] = " ".join(sample_prompts()) * 2
     common = dict(dtype=args.dtype, gpu_memory_utilization=0.25, max_model_len=1024)
     out = {"vllm_version": vllm.__version__, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(0), "dtype": args.dtype, "runs": []}
+           "gpu": torch.cuda.get_device_name(0), "dtype": args.dtype, "runner": args.runner,
+           "runs": []}
 
     llm = make_llm(str(family.target), None, **common)
     plain = generate(llm, prompts, args.max_tokens, "plain")
     release(llm)
     out["runs"].append({"method": "plain", "tokens_per_s": plain.tokens_per_s})
-    for name, draft in drafts_to_check().items():
-        spec = {"method": "dflash", "model": str(draft),
-                "num_speculative_tokens": args.num_speculative_tokens}
+    only = set(args.only.split(",")) if args.only else None
+    for name, (method, draft, k) in drafts_to_check().items():
+        if only and name not in only:
+            continue
+        spec = {"method": method, "model": str(draft), "num_speculative_tokens": k}
         t0 = time.time()
         try:
             llm = make_llm(str(family.target), spec, **common)
-        except Exception as exc:  # record and go on: one broken draft must not hide the others
+            startup = time.time() - t0
+            result = generate(llm, prompts, args.max_tokens, name)
+            release(llm)
+        except Exception as exc:  # record and go on: one broken run must not hide the others
             out["runs"].append({"method": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
             continue
-        startup = time.time() - t0
-        result = generate(llm, prompts, args.max_tokens, name)
-        release(llm)
         mismatches = [i for i, (a, b) in enumerate(zip(result.token_ids, plain.token_ids)) if a != b]
         out["runs"].append({
-            "method": name, "draft": str(draft), "startup_s": round(startup, 1),
+            "method": name, "draft": str(draft), "num_speculative_tokens": k,
+            "startup_s": round(startup, 1),
             "lossless": not mismatches, "mismatching_prompts": mismatches,
             "mean_acceptance_length": result.counters.mean_acceptance_length,
             "per_position_acceptance": result.counters.per_position_acceptance,
             "tokens_per_s": result.tokens_per_s,
         })
+        print(json.dumps(out["runs"][-1]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "dflash_gpu.json").write_text(json.dumps(out, indent=2))
+    (Path(args.out) / f"spec_gpu_{args.runner}.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
     return 0 if all(r.get("lossless", True) and "error" not in r for r in out["runs"]) else 1
 

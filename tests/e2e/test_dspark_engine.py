@@ -1,0 +1,171 @@
+"""A trained tiny DSpark draft in the real vLLM CPU engine (V1 runner, the plugin's proposer).
+
+The drafts come from :func:`vllm_nemotron_spec.tiny.train_draft.ensure_trained_drafts`:
+``dspark`` (the Nemotron 3.5 layout: ``sample_from_anchor: false``, causal block attention with a
+64-token sliding window and sinks, vanilla Markov head with NVFP4 ``markov_w2``) and
+``dspark_wrong_anchor`` (the same weights, config saying ``sample_from_anchor: true``). vLLM's own
+V1 runner refuses ``method="dspark"``; these runs go through the plugin's proposer. fp32, eager,
+greedy, ``ignore_eos``; some prompts are longer than the sliding window and than one KV block.
+"""
+
+from __future__ import annotations
+
+import pytest
+from recording import record_proposals  # tests/e2e/recording.py
+
+from vllm_nemotron_spec import runs
+
+pytestmark = pytest.mark.engine
+
+GAMMA = 3
+MAX_TOKENS = 40
+LONG_PROMPT_LENGTHS = (70, 150)  # tokens: beyond the 64-token window; 150 beyond one KV block
+MIN_MEAN_ACCEPTANCE_LENGTH = 2.5  # the issue's bar at gamma 3 (max 4)
+# The wrong-anchor twin drafts position L + k from the row trained for L + k + 1 (and with the
+# Markov input one token off): acceptance collapses to about one token.
+MAX_WRONG_ANCHOR_ACCEPTANCE_LENGTH = 1.5
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_family):
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+    return ensure_trained_drafts(seed=0, family=tiny_family)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_family):
+    from vllm_nemotron_spec.tiny.corpus import generate_documents, sample_prompts
+    from vllm_nemotron_spec.tiny.tokenizer import BOS_ID, EOS_ID, load_tokenizer
+
+    tok = load_tokenizer(tiny_family.tokenizer)
+    out = [{"prompt_token_ids": tok.encode(p).ids} for p in sample_prompts()[:5]]
+    stream: list[int] = []
+    for enc in tok.encode_batch(generate_documents(97531, 300)):
+        stream += enc.ids + [EOS_ID]
+    end = 0
+    for length in LONG_PROMPT_LENGTHS:
+        start = stream.index(BOS_ID, end)
+        end = start + length
+        out.append({"prompt_token_ids": stream[start:end]})
+    return out
+
+
+def _engine(tiny_family, draft, k=GAMMA, **extra):
+    spec = {"method": "dspark", "model": str(draft), **extra}
+    if k is not None:
+        spec["num_speculative_tokens"] = k
+    return runs.make_llm(str(tiny_family.target), spec)
+
+
+@pytest.fixture(scope="module")
+def results(tiny_family, trained, prompts):
+    runs.set_cpu_engine_defaults()
+    out = {}
+    llm = runs.make_llm(str(tiny_family.target))
+    try:
+        out["plain"] = runs.generate(llm, prompts, MAX_TOKENS, "plain")
+    finally:
+        runs.release(llm)
+    for name, draft, k in (
+        ("dspark", trained.dspark, GAMMA),
+        ("wrong_anchor", trained.dspark_wrong_anchor, GAMMA),
+        ("default_gamma", trained.dspark, None),
+    ):
+        llm = _engine(tiny_family, draft, k)
+        try:
+            out[name] = runs.generate(llm, prompts, MAX_TOKENS, name)
+            if name == "dspark":
+                runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+                drafter = runner.worker.model_runner.drafter
+                out["classes"] = (type(drafter).__name__, type(drafter.model).__name__)
+                out["markov_w2_method"] = type(
+                    drafter.model.model.markov_head.markov_w2.quant_method
+                ).__name__
+                with record_proposals() as steps:  # one request alone, the 150-token prompt
+                    single = runs.generate(llm, [prompts[-1]], MAX_TOKENS, name)
+                out["recorded"] = (prompts[-1]["prompt_token_ids"], single.token_ids[0], steps)
+        finally:
+            runs.release(llm)
+    return out
+
+
+def test_official_architecture_runs_on_the_plugins_proposer_and_model(results):
+    assert results["classes"] == ("Nemotron35DSparkProposer", "Nemotron35DSparkForCausalLM")
+    assert results["markov_w2_method"] == "NvFp4DequantizedLinearMethod"
+
+
+@pytest.mark.parametrize("name", ["dspark", "wrong_anchor", "default_gamma"])
+def test_greedy_dspark_is_lossless(results, name):
+    plain, got = results["plain"].token_ids, results[name].token_ids
+    bad = [i for i, (a, b) in enumerate(zip(plain, got)) if a != b]
+    assert not bad, f"{name}: prompts {bad} differ from plain decoding"
+
+
+def test_trained_draft_acceptance(results):
+    c = results["dspark"].counters
+    assert len(c.accepted_per_position) == GAMMA
+    assert c.num_accepted_tokens <= c.num_draft_tokens
+    assert c.mean_acceptance_length >= MIN_MEAN_ACCEPTANCE_LENGTH, (
+        f"mean acceptance length {c.mean_acceptance_length:.2f} at gamma {GAMMA} "
+        f"(per position {c.per_position_acceptance})"
+    )
+
+
+def test_wrong_anchor_setting_collapses_acceptance(results):
+    right = results["dspark"].counters.mean_acceptance_length
+    wrong = results["wrong_anchor"].counters.mean_acceptance_length
+    assert wrong <= MAX_WRONG_ANCHOR_ACCEPTANCE_LENGTH < right, (right, wrong)
+
+
+def test_gamma_defaults_to_the_block_size(results):
+    assert len(results["default_gamma"].counters.accepted_per_position) == 8  # block_size
+
+
+def test_more_drafted_tokens_than_the_block_is_refused(tiny_family, trained):
+    with pytest.raises(Exception, match=r"num_speculative_tokens.*9.*block_size 8"):
+        _engine(tiny_family, trained.dspark, 9)
+
+
+def test_vllm_proposals_are_the_reference_walk(tiny_family, trained, results):
+    """Each proposal vLLM made equals the trainer's reference (backbone in the bonus-anchor
+    layout, sliding window, sinks, then the greedy Markov walk) from the same committed tokens,
+    bonus token and vLLM's own aux hidden states."""
+    import torch
+
+    from vllm_nemotron_spec.tiny import train_draft as td
+
+    prompt, output, steps = results["recorded"]
+    sequence = prompt + output
+    model, _ = td.load_draft_module(trained.dspark)
+    lm_head = td.target_lm_head(tiny_family.target)
+    # the last steps see tokens beyond max_tokens (accepted, then cut from the output)
+    aux = torch.zeros(len(sequence) + GAMMA + 2, steps[0].aux.shape[-1])
+    checked = 0
+    for step in steps:
+        aux[step.positions] = step.aux
+        committed = step.positions[-1] + 1
+        if committed >= len(sequence):
+            continue
+        assert step.bonus == sequence[committed]
+        expected, _ = td.reference_dspark_propose(
+            model, lm_head, aux[:committed], torch.tensor(sequence[:committed]), step.bonus, GAMMA
+        )
+        assert step.drafts == expected, f"step with {committed} committed tokens"
+        checked += 1
+    assert checked > 3
+
+
+def test_temperature_sampling_with_markov_draft_probabilities(tiny_family, trained, prompts):
+    """Probabilistic drafting (q = the Markov-corrected softmax) in the engine: it runs, counts
+    stay consistent, a trained draft is still accepted, and seeded requests repeat exactly."""
+    llm = _engine(tiny_family, trained.dspark, draft_sample_method="probabilistic")
+    try:
+        first = runs.generate(llm, prompts, 24, "dspark", temperature=0.7, seed=11)
+        again = runs.generate(llm, prompts, 24, "dspark", temperature=0.7, seed=11)
+    finally:
+        runs.release(llm)
+    c = first.counters
+    assert 0 < c.num_accepted_tokens <= c.num_draft_tokens
+    assert c.mean_acceptance_length > 1.5
+    assert first.token_ids == again.token_ids
