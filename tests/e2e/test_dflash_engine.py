@@ -46,19 +46,12 @@ def trained(tiny_family):
 def prompts(tiny_family):
     """The corpus-style sample prompts plus long ones: windows of unseen corpus documents
     (``<s> doc </s> <s> doc ...``), as token ids."""
-    from vllm_nemotron_spec.tiny.corpus import generate_documents, sample_prompts
-    from vllm_nemotron_spec.tiny.tokenizer import BOS_ID, EOS_ID, load_tokenizer
+    from vllm_nemotron_spec.tiny.corpus import document_windows, sample_prompts
+    from vllm_nemotron_spec.tiny.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_family.tokenizer)
     out = [{"prompt_token_ids": tok.encode(p).ids} for p in sample_prompts()]
-    stream: list[int] = []
-    for enc in tok.encode_batch(generate_documents(4321, 300)):
-        stream += enc.ids + [EOS_ID]
-    end = 0
-    for length in LONG_PROMPT_LENGTHS:  # disjoint windows, each starting at a document's <s>
-        start = stream.index(BOS_ID, end)
-        end = start + length
-        out.append({"prompt_token_ids": stream[start:end]})
+    out += [{"prompt_token_ids": w} for w in document_windows(tok, 4321, LONG_PROMPT_LENGTHS)]
     return out
 
 

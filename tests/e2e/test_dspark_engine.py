@@ -35,19 +35,12 @@ def trained(tiny_family):
 
 @pytest.fixture(scope="module")
 def prompts(tiny_family):
-    from vllm_nemotron_spec.tiny.corpus import generate_documents, sample_prompts
-    from vllm_nemotron_spec.tiny.tokenizer import BOS_ID, EOS_ID, load_tokenizer
+    from vllm_nemotron_spec.tiny.corpus import document_windows, sample_prompts
+    from vllm_nemotron_spec.tiny.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_family.tokenizer)
     out = [{"prompt_token_ids": tok.encode(p).ids} for p in sample_prompts()[:5]]
-    stream: list[int] = []
-    for enc in tok.encode_batch(generate_documents(97531, 300)):
-        stream += enc.ids + [EOS_ID]
-    end = 0
-    for length in LONG_PROMPT_LENGTHS:
-        start = stream.index(BOS_ID, end)
-        end = start + length
-        out.append({"prompt_token_ids": stream[start:end]})
+    out += [{"prompt_token_ids": w} for w in document_windows(tok, 97531, LONG_PROMPT_LENGTHS)]
     return out
 
 

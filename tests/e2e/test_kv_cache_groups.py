@@ -81,19 +81,11 @@ def draft_group_count(groups: list[list[str]], num_target_layers: int) -> int:
 
 @pytest.fixture(scope="module")
 def prompts(tiny_family):
-    from vllm_nemotron_spec.tiny.corpus import generate_documents
-    from vllm_nemotron_spec.tiny.tokenizer import BOS_ID, EOS_ID, load_tokenizer
+    from vllm_nemotron_spec.tiny.corpus import document_windows
+    from vllm_nemotron_spec.tiny.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_family.tokenizer)
-    stream: list[int] = []
-    for enc in tok.encode_batch(generate_documents(2468, 300)):
-        stream += enc.ids + [EOS_ID]
-    out, end = [], 0
-    for length in PROMPT_LENGTHS:
-        start = stream.index(BOS_ID, end)
-        end = start + length
-        out.append({"prompt_token_ids": stream[start:end]})
-    return out
+    return [{"prompt_token_ids": w} for w in document_windows(tok, 2468, PROMPT_LENGTHS)]
 
 
 @pytest.fixture(scope="module")

