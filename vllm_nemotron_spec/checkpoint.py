@@ -449,7 +449,12 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
                     problems.append(f"`{name}.{key}`: present, but `{name}` is stored unquantized "
                                     f"({why_dense})")
         else:  # a quantization whose layout this package does not know
-            if weight is None:
+            packed = find(f"{name}.weight_packed") if is_linear and weight is None else None
+            if packed is not None:  # compressed-tensors packs as weight_packed (+ its scales)
+                weight = packed
+                for extra in ("weight_global_scale", "weight_zero_point", "input_global_scale"):
+                    find(f"{name}.{extra}")
+            elif weight is None:
                 problems.append(f"`{weight_name}`: missing")
         modules.append(ModuleCheck(
             name, expected.format, logical, expected.packed_shape, expected.scale_shape,

@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Speculative decoding of NVIDIA Nemotron 3.5 Lightning with its DFlash / DSpark "
             "drafts in vLLM. The plugin itself needs no command: installing the package makes "
             "`vllm serve`, `LLM(...)` and `vllm bench serve` pick it up. These commands build the "
-            "tiny local model family, run the demo, and wrap vLLM's CLI."
+            "tiny local model family, run the demo, quantize and check your own drafts, "
+            "benchmark, and wrap vLLM's CLI."
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
