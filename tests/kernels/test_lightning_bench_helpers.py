@@ -1,0 +1,46 @@
+"""Pure helpers of benchmarks/gpu_lightning.py: the synthetic-acceptance schedule and the reduced
+target pattern (the GPU run depends on both being right the first time)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_lightning.py"
+_spec = importlib.util.spec_from_file_location("gpu_lightning", _PATH)
+gl = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("gpu_lightning", gl)  # dataclasses look their module up there
+_spec.loader.exec_module(gl)
+
+
+@pytest.mark.parametrize("method,length,n", [("dflash", 3.18, 5), ("dspark", 3.69, 7)])
+def test_geometric_rates_reproduce_nvidia_lengths(method, length, n):
+    rates, alpha, expected = gl.acceptance_rates(method, n)
+    assert len(rates) == n and abs(expected - length) < 1e-9
+    assert all(0 < r <= 1 for r in rates) and rates == sorted(rates, reverse=True)
+    assert abs(rates[0] - alpha) < 1e-12 and abs(rates[-1] - alpha**n) < 1e-12
+
+
+def test_alpha_values_and_dspark_gamma3():
+    assert round(gl.geometric_alpha(3.18, 5), 4) == 0.7352
+    assert round(gl.geometric_alpha(3.69, 7), 4) == 0.7588
+    rates, alpha, expected = gl.acceptance_rates("dspark", 3)
+    assert alpha == gl.geometric_alpha(3.69, 7) and round(expected, 2) == 2.77
+    with pytest.raises(ValueError):
+        gl.geometric_alpha(7.5, 5)
+
+
+@pytest.mark.parametrize("depth", [29, 30, 40, 52])
+def test_reduced_pattern(depth):
+    p = gl.reduced_pattern(depth)
+    assert len(p) == depth and p.count("*") == 6 and p.count("M") >= 12 and p[0] == "M"
+    if depth == 52:
+        assert p == gl.REAL_PATTERN and (p.count("M"), p.count("E")) == (23, 23)
+
+
+def test_reduced_pattern_too_shallow():
+    with pytest.raises(ValueError, match="at least 12"):
+        gl.reduced_pattern(28)
