@@ -561,7 +561,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     dtype = torch.bfloat16
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device if device.index is not None else 0)
         torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
     timer = Timer(device, reps, inner)
 

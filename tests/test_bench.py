@@ -454,8 +454,8 @@ def test_draft_checks_before_any_engine(tiny_family, capsys):
     assert [m.num_speculative_tokens for m in got] == [5, 8]
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
-    trained_dflash = str(ensure_trained_drafts(family=tiny_family).dflash)
-    assert [m.draft for m in got] == [trained_dflash, str(tiny_family.dspark_draft)]
+    trained = ensure_trained_drafts(family=tiny_family)
+    assert [m.draft for m in got] == [str(trained.dflash), str(trained.dspark)]
 
 
 def test_draft_not_available_locally_needs_k(monkeypatch):

