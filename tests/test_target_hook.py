@@ -40,3 +40,29 @@ def test_prefix_caching_of_other_models_is_left_alone(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(llama))
     config = _engine_config(tmp_path, enable_prefix_caching=True)
     assert config.cache_config.enable_prefix_caching is True
+
+
+def test_dspark_draft_is_routed_and_keeps_its_layout_flag_at_the_top_level(tiny_family):
+    """The official architecture (Qwen3DSparkModel) reaches the plugin's class under method
+    dspark (not vLLM's DeepSeek-V4 rewrite), and the nested copy of ``sample_from_anchor`` that
+    vLLM 0.33's V2 DFlashSpeculator refuses when true is gone from the in-memory config."""
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+    for draft, anchor in ((ensure_trained_drafts(family=tiny_family).dspark, False),
+                          (ensure_trained_drafts(family=tiny_family).dspark_wrong_anchor, True)):
+        nested = json.loads((draft / "config.json").read_text())["dflash_config"]
+        assert nested["sample_from_anchor"] is anchor  # the checkpoint has both copies
+        config = _engine_config(tiny_family.target, speculative_config={
+            "method": "dspark", "model": str(draft), "num_speculative_tokens": 3})
+        hf = config.speculative_config.draft_model_config.hf_config
+        assert hf.architectures == ["DSparkNemotron35DraftModel"]
+        assert hf.sample_from_anchor is anchor
+        assert "sample_from_anchor" not in hf.dflash_config
+
+
+def test_dropping_the_nested_flag_keeps_the_rest():
+    import types
+
+    hf = types.SimpleNamespace(dflash_config={"sample_from_anchor": True, "causal": True})
+    target_hook.drop_nested_sample_from_anchor(hf)
+    assert hf.dflash_config == {"causal": True}

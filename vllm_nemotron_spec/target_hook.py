@@ -86,6 +86,8 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
         )
     if problems:
         raise DraftSpecError(problems, source=f"Nemotron 3.5 draft {draft_config.model}")
+    if spec_config.method == "dspark":
+        drop_nested_sample_from_anchor(draft_config.hf_config)
     arch = NEMOTRON35_DRAFT_ARCHITECTURES.get(spec_config.method)
     if arch is not None and draft_config.hf_config.architectures != [arch]:
         draft_config.hf_config.architectures = [arch]
@@ -98,6 +100,18 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
         arch or "vLLM's own",
     )
     return report
+
+
+def drop_nested_sample_from_anchor(hf_config: Any) -> None:
+    """A DSpark draft's layout flag is its TOP-LEVEL ``sample_from_anchor`` (what vLLM's
+    ``DSparkSpeculator`` and the plugin's V1 proposer read; the validation above checked that a
+    nested copy agrees). vLLM 0.33's V2 ``DFlashSpeculator.__init__``, which DSpark inherits,
+    refuses ``dflash_config.sample_from_anchor: true`` ("not supported for DFlash"), which would
+    stop every anchor-layout DSpark draft on GPU; the in-memory config keeps the flag at the top
+    level only."""
+    nested = getattr(hf_config, "dflash_config", None)
+    if isinstance(nested, dict) and "sample_from_anchor" in nested:
+        hf_config.dflash_config = {k: v for k, v in nested.items() if k != "sample_from_anchor"}
 
 
 def prepare_nemotron_h_config(vllm_config: Any) -> None:
