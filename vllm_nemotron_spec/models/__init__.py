@@ -1,13 +1,17 @@
 """Draft model architectures for the Nemotron 3.5 DFlash / DSpark checkpoints.
 
 They are registered under names of their own and reached only through ``target_hook``, which
-routes a draft there after the structural check; vLLM's own names are never overridden.
+routes a draft there after the structural check; vLLM's own names are never overridden. One more
+name, ``DFlashQwen3DSparkModel``, exists only to turn a wrong method into a clear error
+(``dspark_under_dflash``).
 """
 
 # architecture name -> "module:Class" (lazy: importing a model file imports vLLM's layers).
 DRAFT_ARCHITECTURES = {
     "DFlashNemotron35DraftModel": "vllm_nemotron_spec.models.nemotron35_dflash:Nemotron35DFlashForCausalLM",
     "DSparkNemotron35DraftModel": "vllm_nemotron_spec.models.nemotron35_dspark:Nemotron35DSparkForCausalLM",
+    # what vLLM renames Qwen3DSparkModel to under method "dflash": lets the clear error through
+    "DFlashQwen3DSparkModel": "vllm_nemotron_spec.models.dspark_under_dflash:DSparkDraftUnderDFlash",
 }
 
 
