@@ -83,11 +83,9 @@ _DESCRIPTION = f"quantization {NAME} (compressed-tensors NVFP4A16 on CPU)"
 
 def register() -> list[str]:
     """Register :class:`NemotronCTW4A16NvFp4Config` with vLLM under :data:`NAME` (idempotent)."""
-    from vllm.model_executor.layers import quantization as vllm_quant
+    from vllm_nemotron_spec.nvfp4.config import register_quantization_config_once
 
-    registered = getattr(vllm_quant, "_CUSTOMIZED_METHOD_TO_QUANT_CONFIG", {}).get(NAME)
-    if registered is not NemotronCTW4A16NvFp4Config or NAME not in vllm_quant.QUANTIZATION_METHODS:
-        vllm_quant.register_quantization_config(NAME)(NemotronCTW4A16NvFp4Config)
+    register_quantization_config_once(NAME, NemotronCTW4A16NvFp4Config)
     return [_DESCRIPTION]
 
 

@@ -68,12 +68,18 @@ _DESCRIPTION = f"quantization {NAME} (ModelOpt {QUANT_ALGO})"
 
 def register() -> list[str]:
     """Register :class:`NemotronW4A16NvFp4Config` with vLLM under :data:`NAME` (idempotent)."""
+    register_quantization_config_once(NAME, NemotronW4A16NvFp4Config)
+    return [_DESCRIPTION]
+
+
+def register_quantization_config_once(name: str, config_cls: type) -> None:
+    """``vllm...quantization.register_quantization_config(name)(config_cls)`` unless ``name`` is
+    already registered to ``config_cls`` (plugins are loaded again in every process)."""
     from vllm.model_executor.layers import quantization as vllm_quant
 
-    registered = getattr(vllm_quant, "_CUSTOMIZED_METHOD_TO_QUANT_CONFIG", {}).get(NAME)
-    if registered is not NemotronW4A16NvFp4Config or NAME not in vllm_quant.QUANTIZATION_METHODS:
-        vllm_quant.register_quantization_config(NAME)(NemotronW4A16NvFp4Config)
-    return [_DESCRIPTION]
+    registered = getattr(vllm_quant, "_CUSTOMIZED_METHOD_TO_QUANT_CONFIG", {}).get(name)
+    if registered is not config_cls or name not in vllm_quant.QUANTIZATION_METHODS:
+        vllm_quant.register_quantization_config(name)(config_cls)
 
 
 def modelopt_quant_algo(hf_quant_cfg: dict[str, Any] | None) -> str | None:

@@ -995,6 +995,19 @@ def offline_acceptance(
     (fraction of steps whose first ``k`` drafts were all accepted: vLLM's per-position counters
     over its number of drafts)."""
     gamma = num_speculative_tokens
+
+    def propose(s, anchors):
+        hidden = reference_dflash_forward(
+            draft, data.aux[s : s + 1], data.tokens[s : s + 1], anchors, first_row + gamma
+        )
+        return draft_logits(hidden[0, :, first_row:], lm_head_weight).argmax(-1)
+
+    return _greedy_acceptance(data, gamma, chunk, propose)
+
+
+def _greedy_acceptance(data: DraftData, gamma: int, chunk: int, propose) -> dict:
+    """Acceptance of ``propose(sequence, anchors [1, n]) -> drafts [n, gamma]`` at every anchor
+    after the prompt, against the target's greedy tokens ``t[L+1 .. L+gamma]``."""
     accepted = []
     with torch.no_grad():
         for s in range(data.tokens.shape[0]):
@@ -1002,10 +1015,7 @@ def offline_acceptance(
             all_anchors = torch.arange(p, length - gamma)
             for k in range(0, all_anchors.numel(), chunk):
                 anchors = all_anchors[k : k + chunk][None]
-                hidden = reference_dflash_forward(
-                    draft, data.aux[s : s + 1], data.tokens[s : s + 1], anchors, first_row + gamma
-                )
-                drafts = draft_logits(hidden[0, :, first_row:], lm_head_weight).argmax(-1)
+                drafts = propose(s, anchors)
                 targets = data.tokens[s, anchors[0, :, None] + 1 + torch.arange(gamma)]
                 accepted.append((drafts == targets).long().cumprod(dim=-1))
     return _acceptance_stats(torch.cat(accepted).float())
@@ -1032,21 +1042,14 @@ def offline_dspark_acceptance(
     Markov walk (:func:`markov_walk`, query layout from the config) against
     ``t[L+1 .. L+gamma]``."""
     gamma = num_speculative_tokens
-    accepted = []
-    with torch.no_grad():
-        for s in range(data.tokens.shape[0]):
-            p, length = int(data.prompt_lens[s]), int(data.lengths[s])
-            all_anchors = torch.arange(p, length - gamma)
-            for k in range(0, all_anchors.numel(), chunk):
-                anchors = all_anchors[k : k + chunk][None]
-                base = reference_dspark_base_logits(
-                    draft, lm_head_weight, data.aux[s : s + 1], data.tokens[s : s + 1], anchors,
-                    gamma,
-                )
-                drafts, _ = markov_walk(draft, base[0], data.tokens[s, anchors[0]])
-                targets = data.tokens[s, anchors[0, :, None] + 1 + torch.arange(gamma)]
-                accepted.append((drafts == targets).long().cumprod(dim=-1))
-    return _acceptance_stats(torch.cat(accepted).float())
+
+    def propose(s, anchors):
+        base = reference_dspark_base_logits(
+            draft, lm_head_weight, data.aux[s : s + 1], data.tokens[s : s + 1], anchors, gamma,
+        )
+        return markov_walk(draft, base[0], data.tokens[s, anchors[0]])[0]
+
+    return _greedy_acceptance(data, gamma, chunk, propose)
 
 
 # ---------------------------------------------------------------------------------------------
