@@ -551,8 +551,6 @@ def prompt_file(tmp_path_factory):
 
 @pytest.mark.engine
 def test_offline_default_methods_on_tiny_family(tiny_family, tmp_path):
-    from vllm.platforms import current_platform
-
     plot = tmp_path / "bench.png"
     code, report, runs = run_cli(
         ["--family-dir", str(tiny_family.root), "--num-prompts", "2", "--max-tokens", "12",
@@ -573,17 +571,16 @@ def test_offline_default_methods_on_tiny_family(tiny_family, tmp_path):
     assert plain["output_tokens"] == sum(len(t) for t in runs[0].token_ids) > 0
     assert plain["speedup_vs_plain"] == 1.0 and plain["timing_source"] == "request_metrics"
 
-    # dspark: vLLM's V1 runner (the only one on CPU) refuses it; reported, not a crash.
-    if current_platform.is_cpu():
-        assert dspark["status"] == "unsupported"
-        assert dspark["error"] == "Model Runner V1 does not support: dspark speculative decoding"
-        assert dspark["tokens_per_s"] is None and dspark["mean_acceptance_length"] is None
-    else:
-        assert_acceptance_consistent(dspark, runs[2])
-
+    # dspark: vLLM's V1 runner refuses it; the plugin's V1 proposer runs it (CPU and GPU).
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
-    assert dflash["draft"] == str(ensure_trained_drafts(family=tiny_family).dflash)
+    trained = ensure_trained_drafts(family=tiny_family)
+    assert dspark["draft"] == str(trained.dspark)
+    assert dspark["status"] == "ok", dspark["error"]
+    assert_acceptance_consistent(dspark, runs[2])
+    assert_comparison_reported(dspark, runs[2], runs[0])
+
+    assert dflash["draft"] == str(trained.dflash)
     assert dflash["status"] == "ok", dflash["error"]
     assert_acceptance_consistent(dflash, runs[1])
     assert_comparison_reported(dflash, runs[1], runs[0])
