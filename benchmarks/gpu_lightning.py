@@ -40,8 +40,10 @@ Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simulta
 ``--input-len`` random tokens (default 1024), ``--output-len`` tokens each (default 256, greedy,
 ignore_eos). Reported: output tokens/s (all output tokens / wall time of the generate call), TPOT
 (mean over requests of (last token time - first token time) / (tokens - 1), from vLLM's request
-stats), TTFT, measured mean acceptance length (vLLM's spec-decode counters), startup time. Draft
-time per step is NOT measured here (see benchmarks/dspark_draft_kernels.py).
+stats), TTFT, measured mean acceptance length (vLLM's spec-decode counters), startup time, and
+draft time per step: GPU time of the drafter call per engine step from CUDA events around vLLM's
+drafter entry points (``DraftStepTimer``, no host sync; the DSpark Markov walk separately) and the
+wall time per step (benchmarks/dspark_draft_kernels.py times the draft's parts in isolation).
 
 Synthetic acceptance (``rejection_sample_method="synthetic"``, ``synthetic_acceptance_rates``):
 NVIDIA's expected acceptance lengths L = 3.18 (DFlash, 5 drafts) and 3.69 (DSpark, 7 drafts),
@@ -303,6 +305,90 @@ def build_models(models_dir: Path, smoke: bool, depth: int, dtype: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# draft time per step: CUDA events around the drafter, read back through shared memory
+# ---------------------------------------------------------------------------------------------
+
+TIMED_DRAFT_CALLS = (
+    # (module, class, method, slot): vLLM 0.33's V2 runner calls DFlashSpeculator.propose once a
+    # step (DSparkSpeculator inherits it; its Markov walk is _sample_sequential); the V1 runner
+    # calls GPUModelRunner.propose_draft_token_ids.
+    ("vllm.v1.worker.gpu.spec_decode.dflash.speculator", "DFlashSpeculator", "propose", 0),
+    ("vllm.v1.worker.gpu.spec_decode.dspark.speculator", "DSparkSpeculator", "_sample_sequential", 1),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids", 0),
+)
+
+
+class DraftStepTimer:
+    """Times every drafter call of the engine with CUDA events (no host sync: an event pair is
+    read once ``query()`` says it is done, at a later call), summing per slot (0 = whole draft
+    step, 1 = DSpark Markov walk) into an array in shared memory. Installed in the benchmark's
+    child before ``LLM(...)``: vLLM forks its engine-core process from there, so the wrapped
+    classes and the shared array are inherited. Calls during CUDA-graph capture are not timed."""
+
+    def __init__(self):
+        import multiprocessing
+
+        # per slot: [calls, total ms]
+        self.shared = multiprocessing.get_context("fork").Array("d", 4, lock=False)
+        self.wrapped: list[str] = []
+
+    def install(self) -> "DraftStepTimer":
+        import importlib
+
+        import torch
+
+        shared, pending = self.shared, []
+
+        def drain():
+            while pending and pending[0][2].query():
+                slot, start, end = pending.pop(0)
+                shared[2 * slot] += 1
+                shared[2 * slot + 1] += start.elapsed_time(end)
+
+        def wrap(cls, name, slot):
+            original = getattr(cls, name)
+
+            def timed(self_, *args, **kwargs):
+                if torch.cuda.is_current_stream_capturing():
+                    return original(self_, *args, **kwargs)
+                drain()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = original(self_, *args, **kwargs)
+                end.record()
+                pending.append((slot, start, end))
+                return out
+
+            setattr(cls, name, timed)
+
+        for module, cls_name, method, slot in TIMED_DRAFT_CALLS:
+            try:
+                cls = getattr(importlib.import_module(module), cls_name)
+            except (ImportError, AttributeError):
+                continue
+            if hasattr(cls, method):
+                wrap(cls, method, slot)
+                self.wrapped.append(f"{cls_name}.{method}")
+        return self
+
+    def snapshot(self) -> list[float]:
+        return list(self.shared)
+
+    @staticmethod
+    def per_step(before: list[float], after: list[float], wall_s: float) -> dict:
+        """Mean draft (and Markov walk) ms per timed step, and wall ms per step, between two
+        snapshots; None where nothing was timed."""
+        d = [a - b for a, b in zip(after, before)]
+        steps, markov = d[0], d[2]
+        return {
+            "timed_steps": int(steps),
+            "draft_ms_per_step": d[1] / steps if steps else None,
+            "markov_ms_per_step": d[3] / markov if markov else None,
+            "wall_ms_per_step": wall_s * 1e3 / steps if steps else None,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
 # child: one engine, several concurrencies
 # ---------------------------------------------------------------------------------------------
 
@@ -335,6 +421,10 @@ def child_main(spec_file: str) -> int:
             sc = dict(spec["speculative"])
             sc["draft_load_config"] = LoadConfig(load_format="auto")  # the target is dummy-loaded
             kwargs["speculative_config"] = sc
+        timer = None
+        if spec.get("speculative") and not spec["smoke"]:
+            timer = DraftStepTimer().install()
+            result["draft_timer_wraps"] = timer.wrapped
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         result["startup_s"] = round(time.perf_counter() - t0, 1)
@@ -358,9 +448,11 @@ def child_main(spec_file: str) -> int:
         result["warmup_s"] = round(time.perf_counter() - t0, 1)
         for conc in spec["concurrency"]:
             before = read_spec_counters(llm)
+            timed_before = timer.snapshot() if timer else None
             t0 = time.perf_counter()
             outs = llm.generate(prompts(conc, conc), params(out_len), use_tqdm=False)
             wall = time.perf_counter() - t0
+            step_timing = DraftStepTimer.per_step(timed_before, timer.snapshot(), wall) if timer else {}
             counters = read_spec_counters(llm).minus(before)
             n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             tpots, ttfts = [], []
@@ -380,12 +472,14 @@ def child_main(spec_file: str) -> int:
                 "mean_acceptance_length": counters.mean_acceptance_length,
                 "per_position_acceptance": counters.per_position_acceptance,
                 "num_drafts": counters.num_drafts,
+                **step_timing,
             }  # fmt: skip
             if not tpots:  # wall-clock estimate: whole batch decodes together
                 row["tpot_ms_wall_estimate"] = wall / max(1, out_len - 1) * 1e3
             result["concurrency"].append(row)
             print(f"[{spec['name']}] concurrency {conc}: {row['output_tok_s']:.1f} tok/s, "
-                  f"TPOT {row['tpot_ms']} ms, acceptance {row['mean_acceptance_length']}", flush=True)  # fmt: skip
+                  f"TPOT {row['tpot_ms']} ms, acceptance {row['mean_acceptance_length']}, "
+                  f"draft {row.get('draft_ms_per_step')} ms/step", flush=True)  # fmt: skip
             save()
         result["status"] = "ok"
         save()
@@ -498,8 +592,9 @@ def markdown(results: dict) -> str:
     for k, v in results["setup"].items():
         lines.append(f"- {k}: {v}")
     lines += ["", "| run | method | plugin | gamma | conc | output tok/s | x plain | TPOT ms | TTFT ms "
-              "| acceptance (measured / expected) | startup s | status |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+              "| acceptance (measured / expected) | draft ms/step (Markov walk) | wall ms/step | startup s "
+              "| status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     plain = {}
     for r in results["runs"]:
         if r["name"] == "plain":
@@ -510,7 +605,7 @@ def markdown(results: dict) -> str:
             if c is None:
                 err = (r.get("error") or r.get("status", ""))[:150].replace("|", "/").replace("\n", " ")
                 lines.append(f"| {r['name']} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | | | | | "
-                             f"| | {r.get('startup_s', '')} | {err} |")  # fmt: skip
+                             f"| | | | {r.get('startup_s', '')} | {err} |")  # fmt: skip
                 continue
             tps = c.get("output_tok_s")
             base = plain.get(c["concurrency"])
@@ -520,12 +615,20 @@ def markdown(results: dict) -> str:
             acc_s = (f"{acc:.2f}" if acc else "-") + (f" / {exp:.2f}" if exp else "")
             tpot = c.get("tpot_ms") or c.get("tpot_ms_wall_estimate")
             ttft = c.get("ttft_ms")
+            draft = c.get("draft_ms_per_step")
+            markov = c.get("markov_ms_per_step")
+            draft_s = "" if draft is None else f"{draft:.3f}" + ("" if markov is None else f" ({markov:.3f})")
+            wall_step = c.get("wall_ms_per_step")
             lines.append(
                 f"| {r['name']} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | {c['concurrency']} | "
                 f"{tps:.1f} | {speed} | {tpot:.2f} | {'' if ttft is None else f'{ttft:.1f}'} | {acc_s} | "
+                f"{draft_s} | {'' if wall_step is None else f'{wall_step:.2f}'} | "
                 f"{r.get('startup_s', '')} | {r.get('status')} |"
             )
-    lines += ["", "Draft time per step: not measured here (benchmarks/dspark_draft_kernels.py times the parts).",
+    lines += ["", "Draft ms/step: GPU time of the drafter call per engine step (CUDA events around vLLM's "
+              "DFlashSpeculator.propose on the V2 runner, GPUModelRunner.propose_draft_token_ids on V1), in "
+              "brackets the DSpark Markov walk (DSparkSpeculator._sample_sequential) when it runs outside a "
+              "CUDA graph. Wall ms/step: the generate call's wall time over the timed steps.",
               "TPOT: mean over requests of (last - first token time) / (tokens - 1), vLLM request stats."]  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -3,7 +3,9 @@
 Runs the tiny family's NemotronH target with plain decoding and with the drafts trained against
 it (`vllm_nemotron_spec.tiny.train_draft.ensure_trained_drafts`): DFlash (official layout and the
 shifted-layout control) and DSpark (bonus-anchor layout as trained, and the same weights with
-`sample_from_anchor: true`, the wrong-anchor control). Records per run: greedy lossless
+`sample_from_anchor: true`, the wrong-anchor control), and the trained DFlash draft quantized by
+the compressed-tensors library (llm-compressor's NVFP4A16 format; vLLM's own compressed-tensors
+scheme and kernels on GPU). Records per run: greedy lossless
 (token-identical to plain decoding), mean acceptance length, per-position acceptance, tokens/s.
 `--runner v2` (vLLM's default on CUDA: DFlashSpeculator / DSparkSpeculator running the plugin's
 draft classes) or `--runner v1` (vLLM's V1 runner with the plugin's proposers, as on CPU).
@@ -26,6 +28,28 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def ensure_ct_dflash(bf16_draft: Path, seed: int = 0) -> Path:
+    """The trained BF16 DFlash draft quantized NVFP4A16 by the compressed-tensors library
+    (``nvfp4-pack-quantized``, as llm-compressor writes it; tests/quantize/ct_draft.py), cached
+    next to the trained drafts."""
+    import hashlib
+    import shutil
+
+    from vllm_nemotron_spec.tiny.build import default_cache_dir
+
+    source = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(bf16_draft).glob("*.safetensors"))))
+    out = default_cache_dir() / f"ct-dflash-nvfp4a16-seed{seed}-{source.hexdigest()[:12]}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+
+    from tests.quantize.ct_draft import build_ct_draft
+
+    shutil.rmtree(out, ignore_errors=True)
+    with torch.compiler.set_stance("force_eager"):  # its FP4 rounding needs no inductor here
+        return build_ct_draft(bf16_draft, out)
+
+
 def drafts_to_check(seed: int = 0) -> dict[str, tuple[str, Path, int]]:
     """name -> (method, draft, num_speculative_tokens), from the cache of trained drafts."""
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
@@ -34,6 +58,7 @@ def drafts_to_check(seed: int = 0) -> dict[str, tuple[str, Path, int]]:
     return {
         "dflash-trained": ("dflash", trained.dflash, 4),
         "dflash-shifted-layout": ("dflash", trained.dflash_shifted, 4),
+        "dflash-compressed-tensors": ("dflash", ensure_ct_dflash(trained.dflash_unquantized, seed), 4),
         "dspark-trained": ("dspark", trained.dspark, 3),
         "dspark-wrong-anchor": ("dspark", trained.dspark_wrong_anchor, 3),
     }

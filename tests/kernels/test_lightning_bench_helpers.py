@@ -44,3 +44,23 @@ def test_reduced_pattern(depth):
 def test_reduced_pattern_too_shallow():
     with pytest.raises(ValueError, match="at least 12"):
         gl.reduced_pattern(28)
+
+
+def test_draft_step_timer_entry_points_exist_in_installed_vllm():
+    """Tripwire: the drafter entry points the benchmark times are still there (vLLM 0.32 / 0.33);
+    a rename would silently leave draft time per step unmeasured."""
+    import importlib
+
+    for module, cls_name, method, _ in gl.TIMED_DRAFT_CALLS:
+        cls = getattr(importlib.import_module(module), cls_name)
+        assert callable(getattr(cls, method, None)), f"{module}.{cls_name}.{method} is gone"
+
+
+def test_draft_step_timer_per_step():
+    before = [10.0, 20.0, 10.0, 5.0]
+    after = [60.0, 70.0, 60.0, 30.0]  # 50 steps, 50 ms of drafting, 25 ms of Markov walk
+    got = gl.DraftStepTimer.per_step(before, after, wall_s=0.5)
+    assert got == {"timed_steps": 50, "draft_ms_per_step": 1.0, "markov_ms_per_step": 0.5,
+                   "wall_ms_per_step": 10.0}
+    none = gl.DraftStepTimer.per_step(after, after, wall_s=0.5)
+    assert none["draft_ms_per_step"] is None and none["wall_ms_per_step"] is None
