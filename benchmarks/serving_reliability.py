@@ -818,7 +818,8 @@ def format_report(r: Report) -> str:
                  f"{r.sampling_differs_from_greedy})")
     lines.append(f"1-token prompt joining a decoding batch exact: "
                  f"{r.one_token_prompt_joining.get('exact')}")
-    lines.append(f"seeded prompt over the step budget: {r.seeded_chunked_prompt}")
+    chunked = {k: v for k, v in r.seeded_chunked_prompt.items() if k != "token_ids"}
+    lines.append(f"seeded prompt over the step budget: {chunked}")
     for s in r.startup:
         lines.append(f"start-up '{s['case']}': exit {s['returncode']} in {s['seconds']} s, "
                      f"{s['output_lines']} lines, traceback {s['traceback']}: "
@@ -850,7 +851,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = (not report.load_mismatches and not report.followup_mismatches
           and not report.spec_problems and report.aborts.get("idle")
           and report.alive_after_bad_input and report.burst.get("preemptions", 0) > 0
-          and not report.burst.get("mismatches") and not report.burst.get("spec_problems"))
+          and not report.burst.get("mismatches") and not report.burst.get("spec_problems")
+          and report.sampling_identical and report.one_token_prompt_joining.get("exact")
+          and report.seeded_chunked_prompt.get("server_alive"))
     return 0 if ok else 1
 
 

@@ -1,6 +1,8 @@
 """Patches of vLLM internals: one module per upstream symbol, each documenting Why / How /
 Upstream / Removal in its docstring, each applying only to the vLLM versions and platforms it was
-written for. ``apply_all()`` (called by ``plugin.register()`` in every process) is idempotent.
+written for. ``apply_all()`` (called by ``plugin.register()`` in every process) is idempotent;
+each patch is installed when its upstream module is imported (``when_imported``), so a process
+that never imports the V1 runner or the scheduler does not import them for the plugin.
 
 | module                   | upstream symbol                                              | where / versions    |
 |--------------------------|--------------------------------------------------------------|---------------------|
@@ -19,6 +21,10 @@ written for. ``apply_all()`` (called by ``plugin.register()`` in every process) 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import sys
+from types import ModuleType
+from typing import Callable
 
 PATCH_MODULES = (
     "cpu_mamba_conv_state",
@@ -36,6 +42,65 @@ def vllm_version() -> str:
     import vllm
 
     return getattr(vllm, "__version__", "0")
+
+
+def when_imported(module_name: str, install: Callable[[ModuleType], None]) -> None:
+    """Run ``install(module)`` on ``module_name``: now if it is imported, else right after its
+    first import (before the importer sees it).
+
+    Why: ``plugin.register()`` runs in every vLLM process (API server, engine core, workers), and
+    the modules patched here (the V1 runner, the scheduler, model layers) cost seconds and ~1000
+    modules to import; a process that never imports them does not pay for their patches."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        install(module)
+        return
+    finder = next((f for f in sys.meta_path if isinstance(f, _PostImportFinder)), None)
+    if finder is None:
+        finder = _PostImportFinder()
+        sys.meta_path.insert(0, finder)
+    finder.hooks.setdefault(module_name, []).append(install)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a module with pending hooks it asks the other finders and wraps
+    the loader so that the hooks run once the module has executed."""
+
+    def __init__(self):
+        self.hooks: dict[str, list[Callable[[ModuleType], None]]] = {}
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.hooks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _InstallingLoader(spec.loader, self.hooks.pop(fullname))
+        return spec
+
+
+class _InstallingLoader(importlib.abc.Loader):
+    def __init__(self, loader, hooks):
+        self._loader, self._hooks = loader, hooks
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self._loader  # get_source etc. as before
+        self._loader.exec_module(module)
+        for install in self._hooks:
+            install(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
 
 
 def apply_all() -> list[str]:

@@ -42,11 +42,14 @@ def apply() -> str | None:
 
     if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
         return None
-    import importlib
+    from vllm_nemotron_spec.patches import when_imported
 
-    cls = getattr(importlib.import_module(TARGET_MODULE), TARGET_CLASS)
-    current = getattr(cls, TARGET_METHOD)
-    if not getattr(current, "_nemotron_spec_patch", False):
-        normalize_context_k_per_layer.__wrapped__ = current
-        setattr(cls, TARGET_METHOD, normalize_context_k_per_layer)
+    def install(module):
+        cls = getattr(module, TARGET_CLASS)
+        current = getattr(cls, TARGET_METHOD)
+        if not getattr(current, "_nemotron_spec_patch", False):
+            normalize_context_k_per_layer.__wrapped__ = current
+            setattr(cls, TARGET_METHOD, normalize_context_k_per_layer)
+
+    when_imported(TARGET_MODULE, install)
     return f"{TARGET_MODULE}.{TARGET_CLASS}.{TARGET_METHOD} (per-layer k_norm on CPU)"

@@ -65,11 +65,13 @@ def apply() -> str | None:
 
     if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
         return None
-    import importlib
+    from vllm_nemotron_spec.patches import when_imported
 
-    module = importlib.import_module(TARGET_MODULE)
-    current = getattr(module, TARGET_SYMBOL)
-    if not getattr(current, "_nemotron_spec_patch", False):
-        expand_kernel_any_dtype.__wrapped__ = current
-        setattr(module, TARGET_SYMBOL, expand_kernel_any_dtype)
+    def install(module):
+        current = getattr(module, TARGET_SYMBOL)
+        if not getattr(current, "_nemotron_spec_patch", False):
+            expand_kernel_any_dtype.__wrapped__ = current
+            setattr(module, TARGET_SYMBOL, expand_kernel_any_dtype)
+
+    when_imported(TARGET_MODULE, install)
     return f"{TARGET_MODULE}.{TARGET_SYMBOL} (keeps float temperature/top_p on CPU)"

@@ -69,10 +69,12 @@ def apply() -> str | None:
 
     if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
         return None
-    import importlib
+    from vllm_nemotron_spec.patches import when_imported
 
-    module = importlib.import_module(TARGET_MODULE)
-    if not getattr(getattr(module, TARGET_SYMBOL), "_nemotron_spec_patch", False):
-        rebind_kernels_skipping_foreign_objects.__wrapped__ = getattr(module, TARGET_SYMBOL)
-        setattr(module, TARGET_SYMBOL, rebind_kernels_skipping_foreign_objects)
+    def install(module):
+        if not getattr(getattr(module, TARGET_SYMBOL), "_nemotron_spec_patch", False):
+            rebind_kernels_skipping_foreign_objects.__wrapped__ = getattr(module, TARGET_SYMBOL)
+            setattr(module, TARGET_SYMBOL, rebind_kernels_skipping_foreign_objects)
+
+    when_imported(TARGET_MODULE, install)
     return f"{TARGET_MODULE}.{TARGET_SYMBOL} (skips objects whose vars() is no dict)"

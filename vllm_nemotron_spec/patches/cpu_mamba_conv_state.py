@@ -116,10 +116,12 @@ def apply() -> str | None:
     """Wrap the mixer's conv update; returns a description, or None when it does not apply."""
     if not applies():
         return None
-    import importlib
+    from vllm_nemotron_spec.patches import when_imported
 
-    module = importlib.import_module(TARGET_MODULE)
-    current = getattr(module, TARGET_SYMBOL)
-    if not getattr(current, "_nemotron_spec_patch", False):
-        setattr(module, TARGET_SYMBOL, _wrap(current))
+    def install(module):
+        current = getattr(module, TARGET_SYMBOL)
+        if not getattr(current, "_nemotron_spec_patch", False):
+            setattr(module, TARGET_SYMBOL, _wrap(current))
+
+    when_imported(TARGET_MODULE, install)
     return f"{TARGET_MODULE}.{TARGET_SYMBOL} (CPU conv state honours num_accepted_tokens)"

@@ -115,9 +115,12 @@ def apply() -> str | None:
 
     if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
         return None
-    import importlib
+    from vllm_nemotron_spec.patches import when_imported
 
-    cls = getattr(importlib.import_module(TARGET_MODULE), TARGET_CLASS)
-    if not getattr(cls.__call__, "_nemotron_spec_patch", False):
-        cls.__call__ = _wrap(cls.__call__)
+    def install(module):
+        cls = getattr(module, TARGET_CLASS)
+        if not getattr(cls.__call__, "_nemotron_spec_patch", False):
+            cls.__call__ = _wrap(cls.__call__)
+
+    when_imported(TARGET_MODULE, install)
     return f"{TARGET_MODULE}.{TARGET_CLASS}.__call__ (CPU SSM state honours num_accepted_tokens)"

