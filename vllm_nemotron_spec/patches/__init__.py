@@ -44,6 +44,37 @@ def vllm_version() -> str:
     return getattr(vllm, "__version__", "0")
 
 
+def applies(versions: tuple[str, ...], *, cpu_only: bool) -> bool:
+    """Whether a patch written for ``versions`` (prefixes such as "0.32.") applies here."""
+    if not vllm_version().startswith(versions):
+        return False
+    if cpu_only:
+        from vllm.platforms import current_platform
+
+        return current_platform.is_cpu()
+    return True
+
+
+def replace_when_imported(module_name: str, owner: str | None, attr: str,
+                          make: Callable[[Callable], Callable]) -> None:
+    """Once ``module_name`` is imported, replace ``owner.attr`` (``owner``: a class of the module,
+    or None for the module itself) by ``make(current)``, unless it is already the plugin's (the
+    replacement is marked ``_nemotron_spec_patch`` and keeps the upstream object in
+    ``__wrapped__``). Idempotent."""
+
+    def install(module):
+        target = module if owner is None else getattr(module, owner)
+        current = getattr(target, attr)
+        if getattr(current, "_nemotron_spec_patch", False):
+            return
+        replacement = make(current)
+        replacement.__wrapped__ = current
+        replacement._nemotron_spec_patch = True
+        setattr(target, attr, replacement)
+
+    when_imported(module_name, install)
+
+
 def when_imported(module_name: str, install: Callable[[ModuleType], None]) -> None:
     """Run ``install(module)`` on ``module_name``: now if it is imported, else right after its
     first import (before the importer sees it).

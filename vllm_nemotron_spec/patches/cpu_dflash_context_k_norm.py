@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_nemotron_spec.patches import applies, replace_when_imported
+
 TARGET_MODULE = "vllm.model_executor.models.qwen3_dflash"
 TARGET_CLASS = "DFlashQwen3Model"
 TARGET_METHOD = "_normalize_context_k"
@@ -36,20 +38,8 @@ normalize_context_k_per_layer._nemotron_spec_patch = True
 
 
 def apply() -> str | None:
-    from vllm.platforms import current_platform
-
-    from vllm_nemotron_spec.patches import vllm_version
-
-    if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
+    if not applies(VLLM_VERSIONS, cpu_only=True):
         return None
-    from vllm_nemotron_spec.patches import when_imported
-
-    def install(module):
-        cls = getattr(module, TARGET_CLASS)
-        current = getattr(cls, TARGET_METHOD)
-        if not getattr(current, "_nemotron_spec_patch", False):
-            normalize_context_k_per_layer.__wrapped__ = current
-            setattr(cls, TARGET_METHOD, normalize_context_k_per_layer)
-
-    when_imported(TARGET_MODULE, install)
+    replace_when_imported(TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
+                          lambda upstream: normalize_context_k_per_layer)
     return f"{TARGET_MODULE}.{TARGET_CLASS}.{TARGET_METHOD} (per-layer k_norm on CPU)"

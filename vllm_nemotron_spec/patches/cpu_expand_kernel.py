@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_nemotron_spec.patches import applies, replace_when_imported
+
 TARGET_MODULE = "vllm.utils.cpu_triton_utils"
 TARGET_SYMBOL = "_expand_kernel_impl"
 VLLM_VERSIONS = ("0.32.",)
@@ -59,19 +61,7 @@ expand_kernel_any_dtype._nemotron_spec_patch = True
 
 
 def apply() -> str | None:
-    from vllm.platforms import current_platform
-
-    from vllm_nemotron_spec.patches import vllm_version
-
-    if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
+    if not applies(VLLM_VERSIONS, cpu_only=True):
         return None
-    from vllm_nemotron_spec.patches import when_imported
-
-    def install(module):
-        current = getattr(module, TARGET_SYMBOL)
-        if not getattr(current, "_nemotron_spec_patch", False):
-            expand_kernel_any_dtype.__wrapped__ = current
-            setattr(module, TARGET_SYMBOL, expand_kernel_any_dtype)
-
-    when_imported(TARGET_MODULE, install)
+    replace_when_imported(TARGET_MODULE, None, TARGET_SYMBOL, lambda upstream: expand_kernel_any_dtype)
     return f"{TARGET_MODULE}.{TARGET_SYMBOL} (keeps float temperature/top_p on CPU)"

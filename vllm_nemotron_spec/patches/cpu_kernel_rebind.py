@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from vllm_nemotron_spec.patches import applies, replace_when_imported
+
 TARGET_MODULE = "vllm.triton_utils.dispatcher"
 TARGET_SYMBOL = "_rebind_kernels"
 VLLM_VERSIONS = ("0.32.",)
@@ -63,18 +65,8 @@ rebind_kernels_skipping_foreign_objects._nemotron_spec_patch = True
 
 
 def apply() -> str | None:
-    from vllm.platforms import current_platform
-
-    from vllm_nemotron_spec.patches import vllm_version
-
-    if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
+    if not applies(VLLM_VERSIONS, cpu_only=True):
         return None
-    from vllm_nemotron_spec.patches import when_imported
-
-    def install(module):
-        if not getattr(getattr(module, TARGET_SYMBOL), "_nemotron_spec_patch", False):
-            rebind_kernels_skipping_foreign_objects.__wrapped__ = getattr(module, TARGET_SYMBOL)
-            setattr(module, TARGET_SYMBOL, rebind_kernels_skipping_foreign_objects)
-
-    when_imported(TARGET_MODULE, install)
+    replace_when_imported(TARGET_MODULE, None, TARGET_SYMBOL,
+                          lambda upstream: rebind_kernels_skipping_foreign_objects)
     return f"{TARGET_MODULE}.{TARGET_SYMBOL} (skips objects whose vars() is no dict)"

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_nemotron_spec.patches import applies, replace_when_imported
+
 TARGET_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 TARGET_SYMBOL = "causal_conv1d_update"
 VLLM_VERSIONS = ("0.32.",)
@@ -104,24 +106,9 @@ def _wrap(original):
     return causal_conv1d_update
 
 
-def applies() -> bool:
-    from vllm.platforms import current_platform
-
-    from vllm_nemotron_spec.patches import vllm_version
-
-    return current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)
-
-
 def apply() -> str | None:
     """Wrap the mixer's conv update; returns a description, or None when it does not apply."""
-    if not applies():
+    if not applies(VLLM_VERSIONS, cpu_only=True):
         return None
-    from vllm_nemotron_spec.patches import when_imported
-
-    def install(module):
-        current = getattr(module, TARGET_SYMBOL)
-        if not getattr(current, "_nemotron_spec_patch", False):
-            setattr(module, TARGET_SYMBOL, _wrap(current))
-
-    when_imported(TARGET_MODULE, install)
+    replace_when_imported(TARGET_MODULE, None, TARGET_SYMBOL, _wrap)
     return f"{TARGET_MODULE}.{TARGET_SYMBOL} (CPU conv state honours num_accepted_tokens)"

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_nemotron_spec.patches import applies, replace_when_imported
+
 TARGET_MODULE = "vllm.model_executor.layers.mamba.ops.ssu_dispatch"
 TARGET_CLASS = "CPUSSUBackend"
 VLLM_VERSIONS = ("0.32.",)
@@ -109,18 +111,7 @@ def _wrap(original_call):
 
 
 def apply() -> str | None:
-    from vllm.platforms import current_platform
-
-    from vllm_nemotron_spec.patches import vllm_version
-
-    if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
+    if not applies(VLLM_VERSIONS, cpu_only=True):
         return None
-    from vllm_nemotron_spec.patches import when_imported
-
-    def install(module):
-        cls = getattr(module, TARGET_CLASS)
-        if not getattr(cls.__call__, "_nemotron_spec_patch", False):
-            cls.__call__ = _wrap(cls.__call__)
-
-    when_imported(TARGET_MODULE, install)
+    replace_when_imported(TARGET_MODULE, TARGET_CLASS, "__call__", _wrap)
     return f"{TARGET_MODULE}.{TARGET_CLASS}.__call__ (CPU SSM state honours num_accepted_tokens)"

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import functools
 
+from vllm_nemotron_spec.patches import applies, replace_when_imported
+
 TARGET_MODULE = "vllm.v1.worker.cpu_model_runner"
 TARGET_CLASS = "CPUModelRunner"
 TARGET_METHOD = "sample_tokens"
@@ -65,20 +67,9 @@ def _sample_tokens_sparing_discarded_generators(original):
 
 
 def apply() -> str | None:
-    from vllm.platforms import current_platform
-
-    from vllm_nemotron_spec.patches import vllm_version
-
-    if not (current_platform.is_cpu() and vllm_version().startswith(VLLM_VERSIONS)):
+    if not applies(VLLM_VERSIONS, cpu_only=True):
         return None
-    from vllm_nemotron_spec.patches import when_imported
-
-    def install(module):
-        cls = getattr(module, TARGET_CLASS)
-        current = getattr(cls, TARGET_METHOD)
-        if not getattr(current, "_nemotron_spec_patch", False):
-            setattr(cls, TARGET_METHOD, _sample_tokens_sparing_discarded_generators(current))
-
-    when_imported(TARGET_MODULE, install)
+    replace_when_imported(TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
+                          _sample_tokens_sparing_discarded_generators)
     return (f"{TARGET_MODULE}.{TARGET_CLASS}.{TARGET_METHOD} (discarded rows keep their seeded "
             "generator; no CUDA offset rewind on CPU)")

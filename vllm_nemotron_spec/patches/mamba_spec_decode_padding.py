@@ -157,9 +157,9 @@ def _schedule(original: Callable, patched: Callable) -> Callable:
 
 
 def apply() -> str | None:
-    from vllm_nemotron_spec.patches import vllm_version, when_imported
+    from vllm_nemotron_spec.patches import applies, when_imported
 
-    if not vllm_version().startswith(VLLM_VERSIONS):
+    if not applies(VLLM_VERSIONS, cpu_only=False):
         return None
 
     def install(module):

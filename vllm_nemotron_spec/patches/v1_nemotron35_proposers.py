@@ -27,6 +27,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from vllm_nemotron_spec.patches import applies, replace_when_imported
+
 VLLM_VERSIONS = ("0.32.", "0.33.")
 V1_DSPARK_REJECTION = "dspark speculative decoding"
 DFLASH_ARCH = "DFlashNemotron35DraftModel"
@@ -102,20 +104,8 @@ PATCHES = (
 
 
 def apply() -> str | None:
-    from vllm_nemotron_spec.patches import vllm_version, when_imported
-
-    if not vllm_version().startswith(VLLM_VERSIONS):
+    if not applies(VLLM_VERSIONS, cpu_only=False):
         return None
-
-    def installer(cls_name, attr, make):
-        def install(module):
-            cls = getattr(module, cls_name)
-            current = getattr(cls, attr)
-            if not getattr(current, "_nemotron_spec_patch", False):
-                setattr(cls, attr, make(current))
-
-        return install
-
     for module, cls_name, attr, make in PATCHES:
-        when_imported(module, installer(cls_name, attr, make))
+        replace_when_imported(module, cls_name, attr, make)
     return "V1 runner: Nemotron 3.5 DFlash/DSpark proposers (DSpark on V1, multi-group drafts)"
