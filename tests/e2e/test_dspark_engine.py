@@ -159,12 +159,19 @@ MIN_SAMPLED_ACCEPTANCE_LENGTH = 1.3
 
 
 @pytest.fixture(scope="module")
-def sampled(tiny_family, trained, prompts):
+def sampled_twice(tiny_family, trained, prompts):
+    """The same seeded batch twice on one engine, probabilistic drafts."""
     llm = _engine(tiny_family, trained.dspark, draft_sample_method="probabilistic")
     try:
-        return runs.generate(llm, prompts, 24, "dspark", temperature=0.7, seed=11)
+        return [runs.generate(llm, prompts, 24, "dspark", temperature=0.7, seed=11)
+                for _ in range(2)]
     finally:
         runs.release(llm)
+
+
+@pytest.fixture(scope="module")
+def sampled(sampled_twice):
+    return sampled_twice[0]
 
 
 def test_temperature_sampling_with_markov_draft_probabilities(sampled):
@@ -181,3 +188,12 @@ def test_trained_draft_is_accepted_when_sampling(sampled):
         f"mean acceptance length {c.mean_acceptance_length:.2f} at T 0.7 "
         f"(per position {c.per_position_acceptance})"
     )
+
+
+def test_seeded_sampling_with_probabilistic_drafts_repeats(sampled_twice):
+    """vLLM's V1 drafting draws probabilistic drafts from the global RNG; the plugin's proposers
+    draw a seeded request's drafts with its own generator (proposers.dflash.resample_seeded_rows),
+    so the same seeded batch gives the same tokens again."""
+    first, second = sampled_twice
+    assert first.token_ids == second.token_ids
+    assert second.counters.num_drafts > 0

