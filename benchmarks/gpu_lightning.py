@@ -38,7 +38,9 @@ the ``--budget-s`` allows:
 
 Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simultaneous prompts of
 ``--input-len`` random tokens (default 1024), ``--output-len`` tokens each (default 256, greedy,
-ignore_eos). Reported: output tokens/s (all output tokens / wall time of the generate call), TPOT
+ignore_eos), measured ``--repeats`` times (default 3) in the same engine: the median repeat is
+reported, with the range of tokens/s in brackets (identical single runs in separate processes
+differed by up to 35% on a lent H200, 2026-11-30). Reported: output tokens/s (all output tokens / wall time of the generate call), TPOT
 (mean over requests of (last token time - first token time) / (tokens - 1), from vLLM's request
 stats), TTFT, measured mean acceptance length (vLLM's spec-decode counters), startup time, and
 draft time per step: GPU time of the drafter call per engine step from CUDA events around vLLM's
@@ -388,6 +390,18 @@ class DraftStepTimer:
         }
 
 
+def median_repeat(rows: list[dict]) -> dict:
+    """The repeat with the median output tokens/s (the lower middle one for an even count), with
+    every repeat's tokens/s and TPOT alongside (``*_all``): the spread within one engine."""
+    ordered = sorted(rows, key=lambda r: r.get("output_tok_s") or 0.0)
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    row["repeats"] = len(rows)
+    row["output_tok_s_all"] = [r.get("output_tok_s") for r in rows]
+    row["tpot_ms_all"] = [r.get("tpot_ms") for r in rows]
+    row["draft_ms_per_step_all"] = [r.get("draft_ms_per_step") for r in rows]
+    return row
+
+
 # ---------------------------------------------------------------------------------------------
 # child: one engine, several concurrencies
 # ---------------------------------------------------------------------------------------------
@@ -446,7 +460,7 @@ def child_main(spec_file: str) -> int:
         t0 = time.perf_counter()
         llm.generate(prompts(max(spec["concurrency"]), 999), params(spec["warmup_tokens"]), use_tqdm=False)
         result["warmup_s"] = round(time.perf_counter() - t0, 1)
-        for conc in spec["concurrency"]:
+        def measure(conc: int) -> dict:
             before = read_spec_counters(llm)
             timed_before = timer.snapshot() if timer else None
             t0 = time.perf_counter()
@@ -476,6 +490,10 @@ def child_main(spec_file: str) -> int:
             }  # fmt: skip
             if not tpots:  # wall-clock estimate: whole batch decodes together
                 row["tpot_ms_wall_estimate"] = wall / max(1, out_len - 1) * 1e3
+            return row
+
+        for conc in spec["concurrency"]:
+            row = median_repeat([measure(conc) for _ in range(spec.get("repeats", 1))])
             result["concurrency"].append(row)
             print(f"[{spec['name']}] concurrency {conc}: {row['output_tok_s']:.1f} tok/s, "
                   f"TPOT {row['tpot_ms']} ms, acceptance {row['mean_acceptance_length']}, "
@@ -608,6 +626,8 @@ def markdown(results: dict) -> str:
                              f"| | | | {r.get('startup_s', '')} | {err} |")  # fmt: skip
                 continue
             tps = c.get("output_tok_s")
+            spread = [x for x in c.get("output_tok_s_all") or [] if x]
+            tps_s = f"{tps:.1f}" + (f" [{min(spread):.0f}-{max(spread):.0f}]" if len(spread) > 1 else "")
             base = plain.get(c["concurrency"])
             speed = f"{tps / base:.2f}" if tps and base else ""
             acc = c.get("mean_acceptance_length")
@@ -621,7 +641,7 @@ def markdown(results: dict) -> str:
             wall_step = c.get("wall_ms_per_step")
             lines.append(
                 f"| {r['name']} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | {c['concurrency']} | "
-                f"{tps:.1f} | {speed} | {tpot:.2f} | {'' if ttft is None else f'{ttft:.1f}'} | {acc_s} | "
+                f"{tps_s} | {speed} | {tpot:.2f} | {'' if ttft is None else f'{ttft:.1f}'} | {acc_s} | "
                 f"{draft_s} | {'' if wall_step is None else f'{wall_step:.2f}'} | "
                 f"{r.get('startup_s', '')} | {r.get('status')} |"
             )
@@ -691,7 +711,7 @@ def parent_main(args) -> int:
             entry.update(synthetic_acceptance_rates=rates, alpha=alpha, expected_acceptance_length=expected)
         fingerprint = {"smoke": args.smoke, "depth": args.depth, "dtype": args.dtype, "eager": args.eager,
                        "input_len": args.input_len, "output_len": args.output_len,
-                       "concurrency": args.concurrency, "run": entry}  # fmt: skip
+                       "concurrency": args.concurrency, "repeats": args.repeats, "run": entry}  # fmt: skip
         previous = json.loads(result_file.read_text()) if result_file.is_file() else None
         if previous and previous.get("status") == "ok" and previous.get("fingerprint") == fingerprint and not args.force:
             print(f"[{time.time() - t_start:6.0f}s] {spec.name}: kept from an earlier invocation")
@@ -716,6 +736,7 @@ def parent_main(args) -> int:
             "engine": engine_kwargs(args, models["target"], spec), "vocab": target_cfg["vocab_size"],
             "input_len": args.input_len, "output_len": args.output_len,
             "concurrency": args.concurrency, "warmup_tokens": 8, "fingerprint": fingerprint,
+            "repeats": args.repeats,
         }  # fmt: skip
         if spec.method:
             child_spec["speculative"] = {
@@ -786,6 +807,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--input-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="measure each concurrency this many times in the same engine; the median "
+                        "run is reported, every run's tok/s and TPOT alongside (default 3)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile / CUDA graphs)")

@@ -64,3 +64,12 @@ def test_draft_step_timer_per_step():
                    "wall_ms_per_step": 10.0}
     none = gl.DraftStepTimer.per_step(after, after, wall_s=0.5)
     assert none["draft_ms_per_step"] is None and none["wall_ms_per_step"] is None
+
+
+def test_median_repeat_reports_the_middle_run_and_the_spread():
+    rows = [{"output_tok_s": v, "tpot_ms": t, "draft_ms_per_step": d}
+            for v, t, d in [(674.0, 1.3, 0.87), (497.0, 1.7, 0.87), (600.0, 1.5, 0.88)]]
+    got = gl.median_repeat(rows)
+    assert got["output_tok_s"] == 600.0 and got["tpot_ms"] == 1.5
+    assert got["repeats"] == 3 and got["output_tok_s_all"] == [674.0, 497.0, 600.0]
+    assert gl.median_repeat(rows[:2])["output_tok_s"] == 497.0  # even count: the lower middle
