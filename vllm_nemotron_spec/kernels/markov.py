@@ -712,21 +712,20 @@ def markov_greedy_step(
     ``logits_out`` [B, V] (fp32 recommended) the corrected logits ``U + bias`` are written as well
     (the draft distribution q for sampling: sample from them and pass the sampled ids as the next
     step's ``prev_ids``). ``tokens_out``: [B] int tensor to write (default: new int64).
-    ``w1_permuted``: ``w1`` is :func:`permute_w1_columns` of markov_w1 with ``config.phases``."""
-    cfg0 = config or default_config(base_logits.shape[0], w1.shape[1])
-    batch, vocab, rank = _check_inputs(tuple(base_logits.shape), w1, w2_packed, w2_scale, w2_global, cfg0)
-    if base_logits.stride(-1) != 1:
-        raise ValueError("base_logits must have unit stride along the vocabulary")
-    device = base_logits.device
-    launch = _Launcher(cfg0, batch, vocab, rank, w1, w2_packed, w2_scale, w2_global, bias_scale,
-                       w1_permuted, device)  # fmt: skip
-    if tokens_out is None:
-        tokens_out = torch.empty(batch, dtype=torch.int64, device=device)
+    ``w1_permuted``: ``w1`` is :func:`permute_w1_columns` of markov_w1 with ``config.phases``.
+    It is the walk of one step (:func:`markov_walk_greedy` on ``[B, 1, V]`` views)."""
+    if base_logits.dim() != 2:
+        raise ValueError(f"base_logits must be [B, V], got {tuple(base_logits.shape)}")
+    batch, vocab = base_logits.shape
     if logits_out is not None and (tuple(logits_out.shape) != (batch, vocab) or logits_out.stride(-1) != 1):
         raise ValueError(f"logits_out must be [{batch}, {vocab}] with unit stride along V")
-    parts = launch.partials(device)
-    launch.tiles(base_logits, prev_ids, logits_out, parts, None, tokens_out, 0)
-    launch.reduce(parts, tokens_out, 0)
+    if tokens_out is None:
+        tokens_out = torch.empty(batch, dtype=torch.int64, device=base_logits.device)
+    markov_walk_greedy(
+        base_logits[:, None], prev_ids, w1, w2_packed, w2_scale, w2_global, bias_scale=bias_scale,
+        tokens_out=tokens_out[:, None], logits_out=None if logits_out is None else logits_out[:, None],
+        config=config, w1_permuted=w1_permuted,
+    )  # fmt: skip
     return tokens_out, logits_out
 
 
