@@ -315,17 +315,8 @@ def snapshot(url: str) -> Snapshot:
 
 
 def settled_snapshot(url: str, settle_s: float = 10.0) -> Snapshot:
-    """/metrics once two reads 0.3 s apart agree (the server records stats right after sending
-    the last tokens)."""
-    deadline = time.monotonic() + settle_s
-    current = snapshot(url)
-    while time.monotonic() < deadline:
-        time.sleep(0.3)
-        again = snapshot(url)
-        if again == current:
-            break
-        current = again
-    return current
+    """/metrics once two reads 0.3 s apart agree."""
+    return serving.read_until_settled(lambda: snapshot(url), settle_s, 0.3)
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> tuple[Snapshot, float]:

@@ -683,6 +683,8 @@ def stream_completion(server: ServerSpec, model: str, prompt: str, *, max_tokens
     """One streaming ``/v1/completions`` request, timed per chunk."""
     import urllib.error
 
+    from vllm_nemotron_spec.serving import sse_chunks
+
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
         "stream": True, "stream_options": {"include_usage": True},
@@ -695,14 +697,7 @@ def stream_completion(server: ServerSpec, model: str, prompt: str, *, max_tokens
     spec = None
     try:
         with _http(f"{server.url}/v1/completions", body, timeout) as resp:
-            for raw in resp:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            for chunk in sse_chunks(resp):
                 now = time.perf_counter()
                 if "error" in chunk:
                     raise BenchError(f"POST {server.url}/v1/completions: {chunk['error']}")
@@ -796,17 +791,10 @@ def _run_pool(server, model, prompts, kwargs, max_concurrency, progress) -> list
 
 
 def _settled_counters(server, settle_s: float) -> SpecCounters | None:
-    """/metrics after the run; re-read until two reads agree (the server records stats right
-    after sending the last tokens)."""
-    deadline = time.monotonic() + settle_s
-    current = server_counters(server)
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        again = server_counters(server)
-        if again == current:
-            break
-        current = again
-    return current
+    """/metrics after the run, read until two reads 0.2 s apart agree."""
+    from vllm_nemotron_spec.serving import read_until_settled
+
+    return read_until_settled(lambda: server_counters(server), settle_s, 0.2)
 
 
 # ------------------------------------------------------------------------------------------

@@ -21,8 +21,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 HOST = "127.0.0.1"
 
@@ -335,14 +339,7 @@ def complete(url: str, body: dict, *, stream: bool, timeout: float = 300.0) -> C
     text, finish, chunks = [], None, 0
     try:
         with http_request(f"{url}/v1/completions", body, timeout) as resp:
-            for raw in resp:
-                line = raw.decode("utf-8").strip()
-                if not line.startswith("data:"):
-                    continue
-                payload = line[len("data:"):].strip()
-                if payload == "[DONE]":
-                    break
-                chunk = json.loads(payload)
+            for chunk in sse_chunks(resp):
                 if "error" in chunk:
                     return Completion(200, ids, finish, "".join(text),
                                       error=_error_text(chunk), chunks=chunks,
@@ -358,6 +355,32 @@ def complete(url: str, body: dict, *, stream: bool, timeout: float = 300.0) -> C
                           seconds=time.perf_counter() - start)
     return Completion(200, ids, finish, "".join(text), seconds=time.perf_counter() - start,
                       chunks=chunks)
+
+
+def sse_chunks(resp) -> Iterator[dict]:
+    """The JSON chunks of an OpenAI-style server-sent-event stream, up to ``data: [DONE]``."""
+    for raw in resp:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
+
+
+def read_until_settled(read: Callable[[], T], settle_s: float, interval_s: float) -> T:
+    """``read()`` again every ``interval_s`` until two reads agree or ``settle_s`` passed (a
+    server records its stats right after it sent the last tokens); the last read."""
+    deadline = time.monotonic() + settle_s
+    current = read()
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        again = read()
+        if again == current:
+            break
+        current = again
+    return current
 
 
 def _error_text(data) -> str:
