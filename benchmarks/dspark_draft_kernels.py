@@ -100,6 +100,10 @@ def parse_args(argv=None):
     p.add_argument("--parts", default="backbone,lm_head,markov", help="comma-separated subset")
     p.add_argument("--no-candidates", action="store_true",
                    help="time only the default fused config (skips the other launch configs)")  # fmt: skip
+    p.add_argument("--sweep", action="store_true",
+                   help="time the fused walk over a grid of launch configs (tile rows, warps, chunk "
+                        "bytes, programs per SM, pipeline stages) instead of the few named candidates; "
+                        "use with --parts markov and few batches (each config compiles once, ~1 s)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -437,11 +441,32 @@ class MarkovSetup:
         return int(gamma * per_step)
 
 
-def fused_candidates(mk, s: Shapes, batch: int, only_default: bool, smoke: bool = False):
+def sweep_configs(mk, s: Shapes, batch: int) -> dict:
+    """The --sweep grid for ``batch`` rows (fp16x2; named v<rows>-w<warps>-k<bytes>-p<programs per
+    SM>-s<stages>). Register use on sm_90 bounds which ones can keep more than 8 warps an SM busy."""
+    default = mk.default_config(batch, s.rank)
+    r_half = s.rank // 2
+    out = {"default": default}
+    for v, w, k, pps, st in (
+        [(v, w, k, p, 2) for v in (64, 128) for w in (4, 8) for k in (64, 128, 256) for p in (2, 4)]
+        + [(32, 8, 64, 2, 2), (32, 8, 64, 4, 2), (32, 4, 128, 3, 2), (64, 4, 64, 3, 2)]
+        + [(v, w, 64, p, st) for v in (64, 128) for w in (4, 8) for p in (2, 4) for st in (3, 4)]
+    ):
+        if k > r_half:
+            continue
+        cfg = replace(default, block_v=v, num_warps=w, block_k=k, programs_per_sm=pps, num_stages=st)
+        if cfg != default:  # the default is timed once, under its own name
+            out[f"v{v}-w{w}-k{k}-p{pps}-s{st}"] = cfg
+    return out
+
+
+def fused_candidates(mk, s: Shapes, batch: int, only_default: bool, smoke: bool = False, sweep: bool = False):
     """Launch configs to try for ``batch`` rows: the default first."""
     default = mk.default_config(batch, s.rank)
     if only_default:
         return {"default": default}
+    if sweep and not smoke:
+        return sweep_configs(mk, s, batch)
     r_half = s.rank // 2
     out = {"default": default}
     bb = default.block_b
@@ -529,6 +554,20 @@ def markdown(result: dict) -> str:
             f"| {r['part']} | {r['batch']} | {r['gamma']} | {r.get('m', '')} | {r['us']:.1f} | "
             f"{r['floor_us']:.1f} | {r['ratio']:.2f} | {r['timing']} | {r.get('notes', '')} |"
         )
+    fused = [r for r in result["rows"] if r["part"].startswith("markov (c) fused") and "us" in r
+             and not r["part"].endswith("BEST")]  # fmt: skip
+    if len(fused) > 8:  # a sweep: the fastest launch configs of each shape
+        lines += ["", "Fastest fused launch configs per shape (us; vs the default config):", ""]
+        for key in sorted({(r["batch"], r["gamma"]) for r in fused}):
+            rows = sorted((r for r in fused if (r["batch"], r["gamma"]) == key), key=lambda r: r["us"])
+            default = next((r["us"] for r in rows if r["part"].endswith(" default")), None)
+            ranked = ", ".join(
+                f"{r['part'].removeprefix('markov (c) fused ')} {r['us']:.1f}"
+                + (f" ({default / r['us']:.2f}x)" if default else "")
+                for r in rows[:6]
+            )
+            lines.append(f"- B={key[0]} gamma={key[1]}: {ranked}; default {default:.1f}" if default else
+                         f"- B={key[0]} gamma={key[1]}: {ranked}")  # fmt: skip
     totals = result.get("step_totals") or []
     if totals:
         lines += ["", "Draft step totals (backbone + bf16 lm_head + Markov walk), us:", "",
@@ -695,7 +734,7 @@ def run_markov(markov: MarkovSetup, mk, s, batch, gamma, device, dtype, record, 
             continue
         record(label, batch, gamma, batch, fn, floor, notes=notes)
     best = None
-    for name, cfg in fused_candidates(mk, s, batch, args.no_candidates, args.smoke).items():
+    for name, cfg in fused_candidates(mk, s, batch, args.no_candidates, args.smoke, args.sweep).items():
         label = f"markov (c) fused {name}"
         fn = lambda cfg=cfg: markov.walk_fused(U, anchor, tokens, cfg)  # noqa: E731
         try:
@@ -712,7 +751,7 @@ def run_markov(markov: MarkovSetup, mk, s, batch, gamma, device, dtype, record, 
         resolved = cfg.resolve(batch, s.vocab, s.rank, device)
         row = record(label, batch, gamma, batch, fn, floor_fp4,
                      notes=f"{resolved.variant} b{resolved.block_b} v{resolved.block_v} k{resolved.block_k} "
-                           f"t{resolved.tiles_per_program} w{resolved.num_warps}")  # fmt: skip
+                           f"t{resolved.tiles_per_program} w{resolved.num_warps} s{resolved.num_stages}")  # fmt: skip
         if "us" in row and (best is None or row["us"] < best[1]["us"]):
             best = (cfg, row)
     if best is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -286,6 +287,29 @@ def test_walk_matches_reference(batch, gamma, variant):
 
 
 @kernel_test
+def test_batch1_default_walk_at_the_real_rank():
+    """The batch-1 default (128-row tiles, 64-byte chunks: four over r = 512, embeddings loaded
+    per chunk) drafts the reference's tokens; the vocabulary ends inside a tile."""
+    vocab, rank, gamma = 320, 512, 3
+    cfg = mk.default_config(1, rank)
+    assert (cfg.block_v, cfg.block_k, cfg.programs_per_sm) == (128, 64, 4)
+    w1, packed, scale, gs = make_head(vocab, rank, seed=11)
+    g = torch.Generator().manual_seed(12)
+    base = (3 * torch.randn(1, gamma, vocab, generator=g)).to(torch.bfloat16).to(DEVICE)
+    anchor = torch.randint(0, vocab, (1,), generator=g).to(DEVICE)
+    dense = nvfp4.dequantize(packed, scale, gs)
+    tokens = mk.markov_walk_greedy(base, anchor, mk.permute_w1_columns(w1, cfg.phases), packed, scale,
+                                   gs, w1_permuted=True)  # fmt: skip
+    ref_tokens, ref_logits = mk.markov_walk_greedy_reference(
+        base, anchor, w1, packed, scale, gs, return_logits=True, forced_tokens=tokens, w2_dense=dense
+    )  # fmt: skip
+    prevs = torch.cat([anchor.long()[:, None], tokens[:, :-1]], dim=1)
+    for k in range(gamma):
+        assert_argmax_not_near_tie(ref_logits[:, k], error_bound(prevs[:, k], w1, dense, ref_logits[:, k]))
+    assert torch.equal(tokens.cpu(), ref_tokens.cpu())
+
+
+@kernel_test
 @pytest.mark.parametrize("variant", ["fp16", "fp16x2"])
 def test_several_chunks_over_the_rank(variant):
     """r = 256 with 64-byte chunks: two chunks, embeddings loaded per chunk (fp16x2 not hoisted)."""
@@ -328,7 +352,8 @@ def test_bad_inputs_are_rejected():
 
 
 def test_default_config_and_permutation():
-    assert mk.default_config(1, 512).variant == "fp16x2" and mk.default_config(1, 512).block_k == 256
+    assert mk.default_config(2, 512).variant == "fp16x2" and mk.default_config(2, 512).block_k == 256
+    assert mk.default_config(1, 512).block_k == 64 and mk.default_config(1, 128).block_k == 64
     assert mk.default_config(32, 512).block_b == 32
     assert mk.default_config(4, 32).variant == "bf16"
     w1 = torch.arange(2 * 16).reshape(2, 16)
@@ -390,12 +415,16 @@ def _nvidia_backend():
 @pytest.mark.parametrize("batch", [1, 32])
 @pytest.mark.parametrize("write_logits", [False, True])
 def test_kernel_builds_for_sm90_without_spills(batch, write_logits):
-    """128-byte-chunk configs compile for the H200 (sm_90) with this Triton, without register
-    spills (the one-chunk default spills a little and was still the fastest on the H200)."""
+    """The default configs compile for the H200 (sm_90) with this Triton. The greedy walk (the
+    draft's hot path) must not spill registers; writing the logits too (sampled drafts) may spill
+    a few bytes (batch 1: 24 with Triton 3.9; Triton 3.6, the H200's, spills a little at batch
+    32). The one-chunk configs of batch 2..32 spill a little and were still the fastest on the
+    H200: their 128-byte-chunk siblings are built instead."""
     cuobjdump = Path(sys.modules["triton"].__file__).parent / "backends/nvidia/bin/cuobjdump"
-    triton_version = sys.modules["triton"].__version__
     for prev_from_parts in (False, True):
-        config = replace(mk.default_config(batch, 512), block_k=128)
+        config = mk.default_config(batch, 512)
+        if config.block_k == 256:
+            config = replace(config, block_k=128)
         kernel = _sm90_build(batch, 512, config, write_logits, prev_from_parts)
         assert "cubin" in kernel.asm
         if cuobjdump.exists():
@@ -405,9 +434,8 @@ def test_kernel_builds_for_sm90_without_spills(batch, write_logits):
                 [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True
             ).stdout
             cubin.unlink()
-            if batch == 32 and write_logits and not triton_version.startswith("3.9"):
-                continue  # Triton 3.6 (the H200's) spills here a little: measured, not a failure
-            assert "STACK:0 " in usage, usage  # no local-memory spills
+            stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+            assert stack <= (64 if write_logits else 0), usage  # local-memory spills
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the real-size tensor-core path")

@@ -476,7 +476,9 @@ if HAVE_TRITON:
 class MarkovKernelConfig:
     """Launch parameters. ``block_b`` None: ``max(16, next_pow2(B))`` capped at 32 (one row block
     reads ``markov_w2`` once for all its rows; 64 spills registers on sm_90); ``tiles_per_program``
-    None: about two programs per SM on CUDA (4 tiles a program elsewhere). ``block_k``: packed
+    None: about ``programs_per_sm`` programs per SM on CUDA (4 tiles a program elsewhere); more
+    programs hide more memory latency when registers allow them to be resident together, but each
+    program of the next step reduces every program's partial maximum. ``block_k``: packed
     bytes a chunk (a multiple of 16 dividing r/2, at least 64 for fp16x2; capped at r/2).
     ``variant`` and ``emb_scale``: see :data:`VARIANTS`. Calls without a config use
     :func:`default_config`."""
@@ -489,6 +491,7 @@ class MarkovKernelConfig:
     num_stages: int = 2
     variant: str = "fp16x2"
     emb_scale: float = 1.0
+    programs_per_sm: int = 2
 
     def resolve(self, batch: int, vocab: int, rank: int, device: torch.device) -> "MarkovKernelConfig":
         if self.variant not in VARIANTS:
@@ -502,7 +505,7 @@ class MarkovKernelConfig:
             num_tiles = _cdiv(vocab, self.block_v)
             sms = _num_sms(device)
             row_blocks = _cdiv(batch, block_b)
-            tiles = max(1, num_tiles * row_blocks // (2 * sms)) if sms else 4
+            tiles = max(1, num_tiles * row_blocks // (self.programs_per_sm * sms)) if sms else 4
         return replace(self, block_k=block_k, block_b=block_b, tiles_per_program=tiles)
 
     def num_programs(self, vocab: int) -> int:
@@ -515,11 +518,18 @@ class MarkovKernelConfig:
 
 
 def default_config(batch: int, rank: int = 512) -> MarkovKernelConfig:
-    """The launch parameters chosen for ``batch`` rows: fp16x2 with one chunk covering the whole
-    rank (``block_k = r/2``: the rows' embeddings are loaded once a program). Measured on the H200
-    (benchmarks/RESULTS.md, 2026-11-30): the fastest or within 1% of it at every batch 1..32,
-    1.13-1.52x faster than vLLM 0.33's loop; 128-byte chunks (no register spills in the sm_90
-    build, where one chunk spills a little) were up to 1.5x slower at batch 2..8 and 32."""
+    """The launch parameters chosen for ``batch`` rows, from H200 measurements (benchmarks/RESULTS.md).
+
+    Batch 2..32: fp16x2 with one chunk covering the whole rank (``block_k = r/2``: the rows'
+    embeddings are loaded once a program), about two programs an SM: the fastest or within 1% of
+    it at every batch 2..32 (2026-11-30, session 2), 1.13-1.52x faster than vLLM 0.33's loop.
+
+    Batch 1 (one request: the latency case): 128-row tiles in 64-byte chunks and about four
+    programs an SM. The one-chunk config needs all 255 registers a thread on sm_90, so only 8 warps
+    an SM stream ``markov_w2``; 64-byte chunks need fewer and more programs hide more memory
+    latency. The launch-config sweep (session 4) measured 80.4 us against the one-chunk config's
+    105.2 us for a gamma-3 walk (1.31x; 103.4 us in session 2). At larger batches every program
+    reduces more partial maxima and the advantage was gone (B=4: 128.1 vs 116.7 us)."""
     r_half = rank // 2
     if r_half >= 64:  # the real head: r = 512
         variant, block_k = "fp16x2", r_half
@@ -527,6 +537,9 @@ def default_config(batch: int, rank: int = 512) -> MarkovKernelConfig:
         variant, block_k = "fp16", r_half
     else:  # tiny heads (tests)
         variant, block_k = "bf16", r_half
+    if batch == 1 and variant == "fp16x2":
+        return MarkovKernelConfig(variant=variant, block_b=16, block_v=128, block_k=64, num_warps=4,
+                                  programs_per_sm=4)  # fmt: skip
     if batch <= 16:
         return MarkovKernelConfig(variant=variant, block_b=16, block_v=64, block_k=block_k, num_warps=4)
     return MarkovKernelConfig(variant=variant, block_b=32, block_v=128, block_k=block_k, num_warps=8)

@@ -78,12 +78,12 @@ def resample_seeded_rows(ids: torch.Tensor, probs: torch.Tensor, sampling_metada
         return ids
     rows_per_request = ids.shape[0] // temperature.shape[0]
     for req, generator in generators.items():
-        if float(temperature[req]) < SAMPLING_EPS:
-            continue
         rows = slice(req * rows_per_request, (req + 1) * rows_per_request)
         q = empty_exponential_noise_like(probs[rows], use_fp64_gumbel).exponential_(
             generator=generator)
-        ids[rows] = sample_with_exponential_noise(probs[rows].clone(), q)
+        drawn = sample_with_exponential_noise(probs[rows].clone(), q).to(ids.dtype)
+        # A greedy request keeps its argmax; chosen on the device (no host sync per request).
+        ids[rows] = torch.where(temperature[req] < SAMPLING_EPS, ids[rows], drawn)
     return ids
 
 
