@@ -186,9 +186,10 @@ VARIANTS = ("bf16", "fp16", "fp16x2")
 * ``fp16``: 16-bit words (four codes), codes times the block scale in fp16 (exact), fp16 dot with
   the embedding rounded to fp16 (see the module doc). About 13-20 instructions a byte.
 * ``fp16x2`` (the default): 32-bit words, two codes an integer op. About 13 instructions a byte
-  with 128-byte chunks (the default config: no register spills); with one chunk over the rank
-  (``block_k = r/2``) the embeddings are loaded once per program: about 9 a byte (close to the
-  memory floor's budget of ~9 on an H200), but a few registers spill for some launch kinds.
+  with 128-byte chunks (no register spills); with one chunk over the rank (``block_k = r/2``, the
+  default at batch 2..32) the embeddings are loaded once per program: about 9 a byte (close to
+  the memory floor's budget of ~9 on an H200), but it takes all 255 registers and a few spill
+  for some launch kinds. Batch 1 uses 64-byte chunks (see :func:`default_config`).
 
 Instruction counts: loop bodies of the offline sm_90 build (Triton 3.9) divided by the bytes a
 thread decodes per iteration; estimates, not measured times (the benchmark measures).
