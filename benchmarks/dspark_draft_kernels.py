@@ -104,6 +104,9 @@ def parse_args(argv=None):
                    help="time the fused walk over a grid of launch configs (tile rows, warps, chunk "
                         "bytes, programs per SM, pipeline stages) instead of the few named candidates; "
                         "use with --parts markov and few batches (each config compiles once, ~1 s)")  # fmt: skip
+    p.add_argument("--configs", default=None,
+                   help="with --sweep: only these comma-separated config names (the default config "
+                        "is always timed), e.g. v128-w4-k64-p4-s2,v128-w4-k64-p4-s2-atomic")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -441,9 +444,11 @@ class MarkovSetup:
         return int(gamma * per_step)
 
 
-def sweep_configs(mk, s: Shapes, batch: int) -> dict:
+def sweep_configs(mk, s: Shapes, batch: int, only: list[str] | None = None) -> dict:
     """The --sweep grid for ``batch`` rows (fp16x2; named v<rows>-w<warps>-k<bytes>-p<programs per
-    SM>-s<stages>). Register use on sm_90 bounds which ones can keep more than 8 warps an SM busy."""
+    SM>-s<stages>[-atomic]). Register use on sm_90 bounds which ones can keep more than 8 warps an
+    SM busy; "-atomic" reduces the programs' (max, argmax) by int64 atomic max, so more programs
+    do not cost every program more partials to read. ``only``: keep these names (and the default)."""
     default = mk.default_config(batch, s.rank)
     r_half = s.rank // 2
     out = {"default": default}
@@ -457,16 +462,29 @@ def sweep_configs(mk, s: Shapes, batch: int) -> dict:
         cfg = replace(default, block_v=v, num_warps=w, block_k=k, programs_per_sm=pps, num_stages=st)
         if cfg != default:  # the default is timed once, under its own name
             out[f"v{v}-w{w}-k{k}-p{pps}-s{st}"] = cfg
+    for v, w, k, pps in ((64, 4, 256, 2), (64, 4, 256, 4), (128, 4, 64, 2), (128, 4, 64, 4), (64, 4, 64, 4),
+                         (128, 8, 256, 2), (128, 8, 256, 4), (128, 4, 128, 4)):  # fmt: skip
+        if k <= r_half:
+            out[f"v{v}-w{w}-k{k}-p{pps}-s2-atomic"] = replace(
+                default, block_v=v, num_warps=w, block_k=k, programs_per_sm=pps, num_stages=2,
+                reduction="atomic",
+            )  # fmt: skip
+    if only is not None:
+        unknown = sorted(set(only) - set(out))
+        if unknown:
+            raise SystemExit(f"--configs: unknown names {unknown}; the grid has {sorted(out)}")
+        out = {name: cfg for name, cfg in out.items() if name == "default" or name in only}
     return out
 
 
-def fused_candidates(mk, s: Shapes, batch: int, only_default: bool, smoke: bool = False, sweep: bool = False):
+def fused_candidates(mk, s: Shapes, batch: int, only_default: bool, smoke: bool = False, sweep: bool = False,
+                     only: list[str] | None = None):  # fmt: skip
     """Launch configs to try for ``batch`` rows: the default first."""
     default = mk.default_config(batch, s.rank)
     if only_default:
         return {"default": default}
     if sweep and not smoke:
-        return sweep_configs(mk, s, batch)
+        return sweep_configs(mk, s, batch, only)
     r_half = s.rank // 2
     out = {"default": default}
     bb = default.block_b
@@ -734,7 +752,8 @@ def run_markov(markov: MarkovSetup, mk, s, batch, gamma, device, dtype, record, 
             continue
         record(label, batch, gamma, batch, fn, floor, notes=notes)
     best = None
-    for name, cfg in fused_candidates(mk, s, batch, args.no_candidates, args.smoke, args.sweep).items():
+    only = args.configs.split(",") if args.configs else None
+    for name, cfg in fused_candidates(mk, s, batch, args.no_candidates, args.smoke, args.sweep, only).items():
         label = f"markov (c) fused {name}"
         fn = lambda cfg=cfg: markov.walk_fused(U, anchor, tokens, cfg)  # noqa: E731
         try:
@@ -751,7 +770,8 @@ def run_markov(markov: MarkovSetup, mk, s, batch, gamma, device, dtype, record, 
         resolved = cfg.resolve(batch, s.vocab, s.rank, device)
         row = record(label, batch, gamma, batch, fn, floor_fp4,
                      notes=f"{resolved.variant} b{resolved.block_b} v{resolved.block_v} k{resolved.block_k} "
-                           f"t{resolved.tiles_per_program} w{resolved.num_warps} s{resolved.num_stages}")  # fmt: skip
+                           f"t{resolved.tiles_per_program} w{resolved.num_warps} s{resolved.num_stages} "
+                           f"{resolved.reduction}")  # fmt: skip
         if "us" in row and (best is None or row["us"] < best[1]["us"]):
             best = (cfg, row)
     if best is not None:

@@ -46,7 +46,15 @@ def test_sweep_configs_are_valid_launches_at_real_shapes(batch, monkeypatch):
         mk._check_inputs((batch, VOCAB), w1, packed, scale, gs, cfg)
         resolved = cfg.resolve(batch, VOCAB, RANK, torch.device("cpu"))
         key = (resolved.block_v, resolved.num_warps, resolved.block_k, resolved.tiles_per_program,
-               resolved.num_stages)  # fmt: skip
+               resolved.num_stages, resolved.reduction)  # fmt: skip
+        assert name.endswith("-atomic") == (resolved.reduction == "atomic") or name == "default"
         assert name == "default" or key not in seen, f"{name} duplicates another config"
         seen.add(key)
     assert bench.fused_candidates(mk, bench.REAL, batch, only_default=False, sweep=True) == configs
+
+
+def test_sweep_configs_only_keeps_the_named_ones_and_rejects_unknown_names():
+    names = ["v128-w4-k64-p4-s2", "v128-w4-k64-p4-s2-atomic"]
+    assert list(bench.sweep_configs(mk, bench.REAL, 4, only=names)) == ["default", *names]
+    with pytest.raises(SystemExit, match="v1-w1"):
+        bench.sweep_configs(mk, bench.REAL, 4, only=["v1-w1"])

@@ -233,9 +233,11 @@ def test_step_configs_and_ragged_vocab(config):
 
 
 @kernel_test
+@pytest.mark.parametrize("reduction", mk.REDUCTIONS)
 @pytest.mark.parametrize("variant", list(VARIANT_CONFIGS))
-def test_ties_lowest_index_wins_within_and_across_tiles_and_programs(variant):
-    """Zero bias (all codes 0): logits are exactly the base logits, so ties are exact."""
+def test_ties_lowest_index_wins_within_and_across_tiles_and_programs(variant, reduction):
+    """Zero bias (all codes 0): logits are exactly the base logits, so ties are exact. Also with
+    the atomic reduction's packed keys (negative values, -0.0 against +0.0, all -inf)."""
     w1, packed, scale, gs = make_head(V, R, seed=7)
     packed = torch.zeros_like(packed)
     base = torch.zeros(4, V, device=DEVICE)
@@ -244,9 +246,19 @@ def test_ties_lowest_index_wins_within_and_across_tiles_and_programs(variant):
     base[2, [100, 101]] = 3.0  # inside one tile: 100 wins
     base[3] = float("-inf")  # all -inf: 0, as torch.argmax
     prev = torch.arange(4, device=DEVICE)
-    tok, _ = mk.markov_greedy_step(base, prev, w1, packed, scale, gs, config=VARIANT_CONFIGS[variant])
+    config = replace(VARIANT_CONFIGS[variant], reduction=reduction)
+    tok, _ = mk.markov_greedy_step(base, prev, w1, packed, scale, gs, config=config)
     assert tok.tolist() == [5, 64, 100, 0]
     assert tok.tolist() == base.argmax(-1).tolist()
+    negative = torch.full((3, V), -5.0, device=DEVICE)
+    negative[0, [900, 3]] = -1.5  # negative maxima across programs: 3 wins
+    negative[1, 800] = 0.0  # +0.0 at 800 against -0.0 at 20: equal, so 20 wins
+    negative[1, 20] = -0.0
+    negative[2, 600:] = float("-inf")
+    negative[2, 599] = -(2.0**100)  # a finite value beats -inf
+    tok, _ = mk.markov_greedy_step(negative, prev[:3], w1, packed, scale, gs, config=config)
+    assert tok.tolist() == [3, 20, 0 if float(negative[2, 0]) > -(2.0**100) else 599]
+    assert tok.tolist() == negative.argmax(-1).tolist()
 
 
 @kernel_test
@@ -284,6 +296,32 @@ def test_walk_matches_reference(batch, gamma, variant):
     assert torch.equal(tokens.cpu(), free.cpu())
     # greedy-only walk (no logits), interleaved w1, default output
     assert torch.equal(mk.markov_walk_greedy(base, anchor, w1, packed, scale, gs, config=cfg), tokens)
+
+
+@kernel_test
+@pytest.mark.parametrize("batch,gamma", [(1, 3), (3, 4)])
+def test_atomic_reduction_walk_equals_partials_walk(batch, gamma):
+    """The atomic (max, argmax) reduction drafts the same tokens and writes the same logits as
+    the partials reduction, with one tile a program (16 programs folding into each row)."""
+    base_cfg = replace(VARIANT_CONFIGS["fp16x2"], tiles_per_program=1)
+    w1, packed, scale, gs = make_head(V, R, seed=70 + batch)
+    g = torch.Generator().manual_seed(80 + batch)
+    base = (3 * torch.randn(batch, gamma, V, generator=g)).to(torch.bfloat16).to(DEVICE)
+    anchor = torch.randint(0, V, (batch,), generator=g).to(DEVICE)
+    w1p = mk.permute_w1_columns(w1, base_cfg.phases)
+    out = {}
+    for reduction in mk.REDUCTIONS:
+        logits = torch.empty(batch, gamma, V, device=DEVICE)
+        tokens = torch.full((batch, gamma + 1), -1, dtype=torch.int64, device=DEVICE)
+        mk.markov_walk_greedy(base, anchor, w1p, packed, scale, gs, tokens_out=tokens[:, :gamma],
+                              logits_out=logits, config=replace(base_cfg, reduction=reduction),
+                              w1_permuted=True)  # fmt: skip
+        assert bool((tokens[:, gamma] == -1).all())
+        out[reduction] = (tokens[:, :gamma].cpu(), logits.cpu())
+    assert torch.equal(out["atomic"][0], out["partials"][0])
+    assert torch.equal(out["atomic"][1], out["partials"][1])
+    ref, _ = mk.markov_walk_greedy_reference(base, anchor, w1, packed, scale, gs)
+    assert torch.equal(out["atomic"][0], ref.cpu())
 
 
 @kernel_test
@@ -381,7 +419,7 @@ def _sm90_build(batch: int, rank: int, cfg, write_logits: bool, prev_from_parts:
         "base_ptr": "*bf16", "prev_ptr": "*i64", "w1_ptr": "*bf16", "w2_ptr": word, "sc_ptr": "*u8",
         "gs_ptr": "*fp32", "out_scale": "fp32", "emb_scale": "fp32", "logits_ptr": "*fp32",
         "part_val_ptr": "*fp32", "part_idx_ptr": "*i32", "prev_val_ptr": "*fp32",
-        "prev_idx_ptr": "*i32", "tok_ptr": "*i64",
+        "prev_idx_ptr": "*i32", "tok_ptr": "*i64", "keys_ptr": "*i64",
     }  # fmt: skip
     const = dict(
         R=rank, BLOCK_B=cfg.block_b, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
@@ -389,6 +427,7 @@ def _sm90_build(batch: int, rank: int, cfg, write_logits: bool, prev_from_parts:
         WRITE_LOGITS=write_logits, DOT_MODE=mk.DOT_BF16 if cfg.variant == "bf16" else mk.DOT_FP16,
         VARIANT=mk.VARIANTS.index(cfg.variant), W1_PERMUTED=True, NATIVE_FP8=True,
         GROUPS=cfg.block_k // 8, HOIST=cfg.variant == "fp16x2" and cfg.block_k == rank // 2,
+        ATOMIC=cfg.reduction == "atomic",
     )  # fmt: skip
     signature = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in names}
     aligned = [n for n in names if n.endswith("_ptr") or n in ("stride_w1", "stride_w2", "V")]

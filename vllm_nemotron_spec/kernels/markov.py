@@ -230,6 +230,24 @@ if HAVE_TRITON:
         return tl.where(tok == _IMAX, 0, tok)
 
     @triton.jit
+    def _pack_max_key(val, idx):
+        """(max, argmax) as one int64 whose signed order is (value, then LOWER index): the value's
+        fp32 bits mapped to an order-preserving int32 in the high word, ``INT32_MAX - idx`` in the
+        low word. -0.0 is taken as +0.0 (they are equal logits: the lower index must win)."""
+        val = tl.where(val == 0.0, 0.0, val)
+        bits = val.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        # tensor op first: constexpr - tensor stays a constexpr in Triton's interpreter
+        return (ordered.to(tl.int64) << 32) | (-idx.to(tl.int64) + _IMAX)
+
+    @triton.jit
+    def _unpack_max_index(key):
+        """The index of a packed key; 0 for a row whose values are all -inf (no program found
+        a finite one: every program's index was the INT32_MAX sentinel)."""
+        idx = -(key & 0xFFFFFFFF).to(tl.int32) + _IMAX
+        return tl.where(idx == _IMAX, 0, idx)
+
+    @triton.jit
     def _dot(w, e, acc, DOT_MODE: tl.constexpr):
         """acc += w @ e with fp32 accumulation (w [M, K], e [K, N])."""
         if DOT_MODE == 1:
@@ -285,6 +303,8 @@ if HAVE_TRITON:
         part_idx_ptr,  # [B, num_parts] int32: their indices
         prev_val_ptr,  # previous step's partials (PREV_FROM_PARTS)
         prev_idx_ptr,
+        keys_ptr,  # ATOMIC: int64 packed (max, argmax) [gamma, B], initialised to INT64_MIN
+        key_col,  # ATOMIC: this step's slot (step * B); the previous step's is key_col - B
         tok_ptr,  # tokens [B, gamma]: the previous step's token goes to offset tok_col of a row
         stride_tok,
         tok_col,
@@ -305,13 +325,18 @@ if HAVE_TRITON:
         NATIVE_FP8: tl.constexpr,
         GROUPS: tl.constexpr,  # BLOCK_K // 8: fp8 block scales (16 inputs = 8 bytes) a chunk
         HOIST: tl.constexpr,  # VARIANT 2 with BLOCK_K == R // 2: embeddings loaded once
+        ATOMIC: tl.constexpr,  # reduce across programs by int64 atomic max instead of partials
     ):
         pid_v = tl.program_id(0)
         pid_b = tl.program_id(1)
         rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
         row_ok = rows < B
         if PREV_FROM_PARTS:
-            prev = _reduce_partials(prev_val_ptr, prev_idx_ptr, rows, row_ok, num_parts, PARTS_POW2)
+            if ATOMIC:
+                prev_key = tl.load(keys_ptr + (key_col - B) + rows, mask=row_ok, other=0)
+                prev = _unpack_max_index(prev_key)
+            else:
+                prev = _reduce_partials(prev_val_ptr, prev_idx_ptr, rows, row_ok, num_parts, PARTS_POW2)
             if pid_v == 0:
                 tl.store(
                     tok_ptr + rows.to(tl.int64) * stride_tok + tok_col,
@@ -442,9 +467,16 @@ if HAVE_TRITON:
             better = tile_max > run_max  # strict: an earlier tile keeps a tie
             run_max = tl.where(better, tile_max, run_max)
             run_idx = tl.where(better, tile_arg, run_idx)
-        out = rows.to(tl.int64) * num_parts + pid_v
-        tl.store(part_val_ptr + out, run_max, mask=row_ok)
-        tl.store(part_idx_ptr + out, run_idx, mask=row_ok)
+        if ATOMIC:
+            key = _pack_max_key(run_max, run_idx)
+            slot = keys_ptr + key_col + rows
+            # Most programs lose to the running maximum: read it first, skip the atomic then.
+            current = tl.load(slot, mask=row_ok, other=0, volatile=True)
+            tl.atomic_max(slot, key, mask=row_ok & (key > current), sem="relaxed")
+        else:
+            out = rows.to(tl.int64) * num_parts + pid_v
+            tl.store(part_val_ptr + out, run_max, mask=row_ok)
+            tl.store(part_idx_ptr + out, run_idx, mask=row_ok)
 
     @triton.jit
     def _markov_reduce_kernel(
@@ -467,10 +499,34 @@ if HAVE_TRITON:
             mask=row_ok,
         )
 
+    @triton.jit
+    def _markov_keys_to_tokens_kernel(keys_ptr, tok_ptr, stride_tok, tok_col, B, BLOCK_B: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+        row_ok = rows < B
+        tok = _unpack_max_index(tl.load(keys_ptr + rows, mask=row_ok, other=0))
+        tl.store(
+            tok_ptr + rows.to(tl.int64) * stride_tok + tok_col,
+            tok.to(tok_ptr.dtype.element_ty),
+            mask=row_ok,
+        )
+
 
 # ---------------------------------------------------------------------------------------------
 # launch configuration
 # ---------------------------------------------------------------------------------------------
+
+
+REDUCTIONS = ("partials", "atomic")
+"""How a step's programs combine their (max, argmax) per row (``MarkovKernelConfig.reduction``):
+
+* ``partials``: each program writes its pair to a ``[B, programs]`` buffer; every program of the
+  next step (and a last small kernel) reduces the whole row. Cost grows with programs x rows.
+* ``atomic``: each program folds its pair into one int64 a row by ``atomic_max`` (value in the
+  high word, ``INT32_MAX - index`` in the low word: ties keep the lowest index, as torch.argmax);
+  the next step reads one int64 a row. One fill of the ``[gamma, B]`` slots a walk.
+"""
+
+INT64_MIN = -(2**63)
 
 
 @dataclass(frozen=True)
@@ -493,10 +549,13 @@ class MarkovKernelConfig:
     variant: str = "fp16x2"
     emb_scale: float = 1.0
     programs_per_sm: int = 2
+    reduction: str = "partials"  # or "atomic": see REDUCTIONS
 
     def resolve(self, batch: int, vocab: int, rank: int, device: torch.device) -> "MarkovKernelConfig":
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown kernel variant {self.variant!r}; choose from {VARIANTS}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"unknown reduction {self.reduction!r}; choose from {REDUCTIONS}")
         block_k = min(self.block_k, rank // 2)
         block_b = self.block_b
         if block_b is None:
@@ -662,6 +721,7 @@ class _Launcher:
         self.dot_mode = _dot_mode(cfg, w1.dtype, device)
         self.native_fp8 = _native_fp8(device)
         self.num_parts = cfg.num_programs(vocab)
+        self.atomic = cfg.reduction == "atomic"
         self.extra = {} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     def partials(self, device):
@@ -670,10 +730,12 @@ class _Launcher:
             torch.empty(self.batch, self.num_parts, dtype=torch.int32, device=device),
         )
 
-    def tiles(self, base_2d, prev_ids, logits_2d, parts, prev_parts, tokens, tok_col):
+    def tiles(self, base_2d, prev_ids, logits_2d, parts, prev_parts, tokens, tok_col, keys, step):
+        """One step's launch. ``parts``/``prev_parts``: this and the previous step's partials
+        (``partials`` reduction); ``keys``: the walk's [gamma, B] slots (``atomic``)."""
         cfg = self.cfg
-        prev_from_parts = prev_parts is not None
-        prev_val, prev_idx = prev_parts if prev_from_parts else parts
+        prev_from_parts = step > 0
+        prev_val, prev_idx = prev_parts if prev_parts is not None else parts
         prev_ptr = prev_ids if prev_ids is not None else tokens
         grid = (self.num_parts, _cdiv(self.batch, cfg.block_b))
         _markov_tiles_kernel[grid](
@@ -685,7 +747,7 @@ class _Launcher:
             self.gs, self.out_scale, self.emb_scale,
             logits_2d if logits_2d is not None else base_2d,
             logits_2d.stride(0) if logits_2d is not None else 0,
-            parts[0], parts[1], prev_val, prev_idx,
+            parts[0], parts[1], prev_val, prev_idx, keys, step * self.batch,
             tokens, tokens.stride(0), tok_col,
             self.batch, self.vocab, self.num_parts,
             R=self.rank, BLOCK_B=cfg.block_b, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k,
@@ -693,10 +755,17 @@ class _Launcher:
             PREV_FROM_PARTS=prev_from_parts, WRITE_LOGITS=logits_2d is not None,
             DOT_MODE=self.dot_mode, VARIANT=VARIANTS.index(cfg.variant),
             W1_PERMUTED=self.w1_permuted, NATIVE_FP8=self.native_fp8, GROUPS=cfg.block_k // 8,
-            HOIST=cfg.variant == "fp16x2" and cfg.block_k == self.rank // 2, **self.extra,
+            HOIST=cfg.variant == "fp16x2" and cfg.block_k == self.rank // 2, ATOMIC=self.atomic,
+            **self.extra,
         )  # fmt: skip
 
-    def reduce(self, parts, tokens, tok_col):
+    def reduce(self, parts, tokens, tok_col, keys, step):
+        """The last step's tokens, from its partials or its key slots."""
+        if self.atomic:
+            _markov_keys_to_tokens_kernel[(_cdiv(self.batch, 128),)](
+                keys[step], tokens, tokens.stride(0), tok_col, self.batch, BLOCK_B=128
+            )
+            return
         block_b = 16 if self.num_parts <= 1024 else 4
         _markov_reduce_kernel[(_cdiv(self.batch, block_b),)](
             parts[0], parts[1], tokens, tokens.stride(0), tok_col, self.batch, self.num_parts,
@@ -783,15 +852,21 @@ def markov_walk_greedy(
         tuple(logits_out.shape) != (batch, gamma, vocab) or logits_out.stride(-1) != 1
     ):
         raise ValueError(f"logits_out must be [{batch}, {gamma}, {vocab}] with unit stride along V")
-    parts = [launch.partials(device) for _ in range(min(2, gamma))]
+    if launch.atomic:
+        keys = torch.full((gamma, batch), INT64_MIN, dtype=torch.int64, device=device)
+        parts = [(keys, keys)] * 2  # unused: the kernels are built without the partials code
+    else:
+        keys = tokens_out  # unused
+        parts = [launch.partials(device) for _ in range(min(2, gamma))]
     col = tokens_out.stride(1)
     for k in range(gamma):
         launch.tiles(
             base_logits[:, k], anchor_ids if k == 0 else None,
             logits_out[:, k] if logits_out is not None else None,
             parts[k % 2], parts[(k - 1) % 2] if k else None, tokens_out, (k - 1) * col if k else 0,
+            keys, k,
         )  # fmt: skip
-    launch.reduce(parts[(gamma - 1) % 2], tokens_out, (gamma - 1) * col)
+    launch.reduce(parts[(gamma - 1) % 2], tokens_out, (gamma - 1) * col, keys, gamma - 1)
     return tokens_out
 
 
