@@ -459,16 +459,16 @@ def sweep_configs(mk, s: Shapes, batch: int, only: list[str] | None = None) -> d
     ):
         if k > r_half:
             continue
-        cfg = replace(default, block_v=v, num_warps=w, block_k=k, programs_per_sm=pps, num_stages=st)
+        cfg = replace(default, block_v=v, num_warps=w, block_k=k, programs_per_sm=pps, num_stages=st,
+                      reduction="partials")  # fmt: skip
         if cfg != default:  # the default is timed once, under its own name
             out[f"v{v}-w{w}-k{k}-p{pps}-s{st}"] = cfg
     for v, w, k, pps in ((64, 4, 256, 2), (64, 4, 256, 4), (128, 4, 64, 2), (128, 4, 64, 4), (64, 4, 64, 4),
                          (128, 8, 256, 2), (128, 8, 256, 4), (128, 4, 128, 4)):  # fmt: skip
-        if k <= r_half:
-            out[f"v{v}-w{w}-k{k}-p{pps}-s2-atomic"] = replace(
-                default, block_v=v, num_warps=w, block_k=k, programs_per_sm=pps, num_stages=2,
-                reduction="atomic",
-            )  # fmt: skip
+        cfg = replace(default, block_v=v, num_warps=w, block_k=k, programs_per_sm=pps, num_stages=2,
+                      reduction="atomic")  # fmt: skip
+        if k <= r_half and cfg != default:
+            out[f"v{v}-w{w}-k{k}-p{pps}-s2-atomic"] = cfg
     if only is not None:
         unknown = sorted(set(only) - set(out))
         if unknown:
@@ -488,15 +488,16 @@ def fused_candidates(mk, s: Shapes, batch: int, only_default: bool, smoke: bool 
     r_half = s.rank // 2
     out = {"default": default}
     bb = default.block_b
+    # the default before session 4: partials reduction, two programs an SM
+    previous = mk.MarkovKernelConfig(variant=default.variant, block_b=bb, block_v=64 if bb == 16 else 128,
+                                     block_k=r_half, num_warps=4 if bb == 16 else 8)  # fmt: skip
+    out["previous-default-partials"] = previous
     if smoke:  # the interpreter is slow: one other variant
         out["bf16-v64-k32"] = mk.MarkovKernelConfig(variant="bf16", block_b=bb, block_v=64, block_k=32)
         return out
     if r_half % 64 == 0 and r_half <= 256 and default.block_k != r_half:
         out["fp16x2-onechunk"] = replace(default, block_k=r_half)  # embeddings hoisted (spills a bit)
-    if bb == 16:
-        out["fp16x2-v128-w8"] = replace(default, block_v=128, num_warps=8)
-    else:
-        out["fp16x2-v64-w4"] = replace(default, block_v=64, num_warps=4)
+    out["fp16x2-v128-w8"] = replace(default, block_v=128, num_warps=8)
     out["fp16-v128-k128"] = mk.MarkovKernelConfig(variant="fp16", block_b=bb, block_v=128,
                                                   block_k=min(128, r_half), num_warps=8)  # fmt: skip
     out["bf16-v128-k64"] = mk.MarkovKernelConfig(variant="bf16", block_b=bb, block_v=128,

@@ -392,6 +392,7 @@ def test_bad_inputs_are_rejected():
 def test_default_config_and_permutation():
     assert mk.default_config(2, 512).variant == "fp16x2" and mk.default_config(2, 512).block_k == 256
     assert mk.default_config(1, 512).block_k == 64 and mk.default_config(1, 128).block_k == 64
+    assert {mk.default_config(b, 512).reduction for b in (1, 2, 16, 32)} == {"atomic"}
     assert mk.default_config(32, 512).block_b == 32
     assert mk.default_config(4, 32).variant == "bf16"
     w1 = torch.arange(2 * 16).reshape(2, 16)

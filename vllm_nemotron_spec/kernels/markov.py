@@ -17,10 +17,11 @@ takes ``BLOCK_B`` request rows and ``TILES`` consecutive tiles, decodes the pack
 block scales in registers, multiplies them with the rows' Markov embeddings on the tensor cores
 (transposed: the vocabulary tile is the dot's M, the rows its N), scales by the global scale, adds
 ``U`` and keeps a running ``(max, argmax)`` per row. The ``[B, V]`` bias never exists in memory.
-Each program writes one partial ``(max, argmax)`` per row; a small reduction over the programs'
-partials gives the token. In the walk over the ``gamma`` drafted positions, step ``k``'s reduction
-is done by step ``k + 1``'s programs themselves (each reduces the partials it needs; those of
-vocabulary slice 0 also store the token), so a walk is ``gamma + 1`` launches with no host
+Each program folds its ``(max, argmax)`` per row into one int64 slot per row and step by atomic
+max (the default; :data:`REDUCTIONS`), or writes it as a partial that the next launch reduces.
+In the walk over the ``gamma`` drafted positions, step ``k + 1``'s programs read step ``k``'s
+token from there (those of vocabulary slice 0 also store it) and a last small launch stores the
+final token, so a walk is ``gamma + 1`` launches (plus one fill of the slots) with no host
 synchronisation (CUDA-graph capturable).
 
 Decoding (three variants, :data:`VARIANTS`; all bit-exact decoders): a code's 3 magnitude bits go to
@@ -578,18 +579,19 @@ class MarkovKernelConfig:
 
 
 def default_config(batch: int, rank: int = 512) -> MarkovKernelConfig:
-    """The launch parameters chosen for ``batch`` rows, from H200 measurements (benchmarks/RESULTS.md).
+    """The launch parameters chosen for ``batch`` rows, from H200 measurements (benchmarks/RESULTS.md,
+    "Session 4"): the atomic (max, argmax) reduction and about four programs an SM at every batch.
 
-    Batch 2..32: fp16x2 with one chunk covering the whole rank (``block_k = r/2``: the rows'
-    embeddings are loaded once a program), about two programs an SM: the fastest or within 1% of
-    it at every batch 2..32 (2026-11-30, session 2), 1.13-1.52x faster than vLLM 0.33's loop.
+    More resident programs hide more of the memory latency of streaming ``markov_w2`` (the
+    one-chunk config takes all 255 registers a thread on sm_90, so two programs an SM leave 8
+    warps); with the partials reduction each extra program also made every program of the next
+    step read more partials, which ate the gain beyond batch 1. With the atomic reduction, gamma-3
+    walk, microseconds against the previous default (one chunk, two programs an SM, partials) and
+    vLLM 0.33's loop: batch 1 74.2 (79.8 / 121.0), 4 84.2 (116.6 / 132.7), 16 91.9 (128.2 / 195.3),
+    32 114.5 (143.1 / 189.2).
 
-    Batch 1 (one request: the latency case): 128-row tiles in 64-byte chunks and about four
-    programs an SM. The one-chunk config needs all 255 registers a thread on sm_90, so only 8 warps
-    an SM stream ``markov_w2``; 64-byte chunks need fewer and more programs hide more memory
-    latency. The launch-config sweep (session 4) measured 80.4 us against the one-chunk config's
-    105.2 us for a gamma-3 walk (1.31x; 103.4 us in session 2). At larger batches every program
-    reduces more partial maxima and the advantage was gone (B=4: 128.1 vs 116.7 us)."""
+    Batch 1: 128-row tiles in 64-byte chunks; batch 2..32: 64-row tiles, one chunk over the rank
+    (``block_k = r/2``: the rows' embeddings are loaded once a program)."""
     r_half = rank // 2
     if r_half >= 64:  # the real head: r = 512
         variant, block_k = "fp16x2", r_half
@@ -599,10 +601,9 @@ def default_config(batch: int, rank: int = 512) -> MarkovKernelConfig:
         variant, block_k = "bf16", r_half
     if batch == 1 and variant == "fp16x2":
         return MarkovKernelConfig(variant=variant, block_b=16, block_v=128, block_k=64, num_warps=4,
-                                  programs_per_sm=4)  # fmt: skip
-    if batch <= 16:
-        return MarkovKernelConfig(variant=variant, block_b=16, block_v=64, block_k=block_k, num_warps=4)
-    return MarkovKernelConfig(variant=variant, block_b=32, block_v=128, block_k=block_k, num_warps=8)
+                                  programs_per_sm=4, reduction="atomic")  # fmt: skip
+    return MarkovKernelConfig(variant=variant, block_b=16 if batch <= 16 else 32, block_v=64, block_k=block_k,
+                              num_warps=4, programs_per_sm=4, reduction="atomic")  # fmt: skip
 
 
 def _cdiv(a: int, b: int) -> int:
