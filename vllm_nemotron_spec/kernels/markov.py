@@ -833,7 +833,8 @@ def markov_walk_greedy(
     each request); returns ``tokens_out`` [B, gamma] (default new int64; may be a view such as
     ``DSparkSpeculator.draft_tokens[:num_reqs]``). ``logits_out`` [B, gamma, V]: also write every
     step's corrected logits (q for probabilistic verification of greedy drafts). ``config`` and
-    ``w1_permuted``: as in :func:`markov_greedy_step`. ``gamma + 1`` launches, no host
+    ``w1_permuted``: as in :func:`markov_greedy_step`. ``gamma + 1`` launches (and a fill of the
+    atomic reduction's slots), no host
     synchronisation (CUDA-graph capturable when ``w2_global`` is a device tensor)."""
     if base_logits.dim() != 3:
         raise ValueError(f"base_logits must be [B, gamma, V], got {tuple(base_logits.shape)}")
