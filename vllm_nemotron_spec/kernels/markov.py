@@ -834,8 +834,8 @@ def markov_walk_greedy(
     ``DSparkSpeculator.draft_tokens[:num_reqs]``). ``logits_out`` [B, gamma, V]: also write every
     step's corrected logits (q for probabilistic verification of greedy drafts). ``config`` and
     ``w1_permuted``: as in :func:`markov_greedy_step`. ``gamma + 1`` launches (and a fill of the
-    atomic reduction's slots), no host
-    synchronisation (CUDA-graph capturable when ``w2_global`` is a device tensor)."""
+    atomic reduction's slots), no host synchronisation (CUDA-graph capturable when ``w2_global``
+    is a device tensor)."""
     if base_logits.dim() != 3:
         raise ValueError(f"base_logits must be [B, gamma, V], got {tuple(base_logits.shape)}")
     batch, gamma, vocab = base_logits.shape
