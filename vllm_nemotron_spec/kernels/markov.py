@@ -535,8 +535,8 @@ class MarkovKernelConfig:
     """Launch parameters. ``block_b`` None: ``max(16, next_pow2(B))`` capped at 32 (one row block
     reads ``markov_w2`` once for all its rows; 64 spills registers on sm_90); ``tiles_per_program``
     None: about ``programs_per_sm`` programs per SM on CUDA (4 tiles a program elsewhere); more
-    programs hide more memory latency when registers allow them to be resident together, but each
-    program of the next step reduces every program's partial maximum. ``block_k``: packed
+    programs hide more memory latency when registers allow them to be resident together (with the
+    ``partials`` reduction each program of the next step also reads more partials). ``block_k``: packed
     bytes a chunk (a multiple of 16 dividing r/2, at least 64 for fp16x2; capped at r/2).
     ``variant`` and ``emb_scale``: see :data:`VARIANTS`. Calls without a config use
     :func:`default_config`."""
