@@ -75,6 +75,8 @@ def test_rewrite_refuses_what_it_does_not_know():
         patch.rewrite_schedule(schedule)
     with pytest.raises(patch.PatchMismatch):
         patch.rewrite_schedule(patch._schedule(_original(), _original()))  # someone's wrapper
+    assert patch._schedule_or_none(schedule) is None  # then vLLM's schedule stays (and a warning)
+    assert patch._schedule_or_none(_original()).__wrapped__ is _original()
 
 
 def test_dispatch_only_hybrid_with_spec_decode():

@@ -7,8 +7,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 
-from vllm_nemotron_spec.patches import when_imported
+from vllm_nemotron_spec.patches import replace_when_imported, when_imported
 
 
 def test_hook_runs_after_the_first_import_before_the_importer_binds(tmp_path, monkeypatch):
@@ -55,3 +56,19 @@ def test_registering_the_plugin_leaves_runner_and_scheduler_unimported_until_use
     assert out.returncode == 0, out.stderr[-3000:]
     assert "IMPORTED []" in out.stdout, out.stdout
     assert "PATCHED True True" in out.stdout, out.stdout
+
+
+def test_replace_when_imported_marks_the_replacement_and_a_declining_make_leaves_upstream():
+    module = types.ModuleType("nsp_replace_mod")
+    module.f = upstream = lambda: "upstream"
+    sys.modules["nsp_replace_mod"] = module
+    try:
+        replace_when_imported("nsp_replace_mod", None, "f", lambda current: None)  # declines
+        assert module.f is upstream and not hasattr(upstream, "_nemotron_spec_patch")
+        replace_when_imported("nsp_replace_mod", None, "f", lambda current: lambda: "patched")
+        patched = module.f
+        assert patched() == "patched" and patched._nemotron_spec_patch and patched.__wrapped__ is upstream
+        replace_when_imported("nsp_replace_mod", None, "f", lambda current: lambda: "again")
+        assert module.f is patched  # idempotent: the plugin's replacement is kept
+    finally:
+        del sys.modules["nsp_replace_mod"]

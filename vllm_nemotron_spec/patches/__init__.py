@@ -56,11 +56,12 @@ def applies(versions: tuple[str, ...], *, cpu_only: bool) -> bool:
 
 
 def replace_when_imported(module_name: str, owner: str | None, attr: str,
-                          make: Callable[[Callable], Callable]) -> None:
+                          make: Callable[[Callable], Callable | None]) -> None:
     """Once ``module_name`` is imported, replace ``owner.attr`` (``owner``: a class of the module,
     or None for the module itself) by ``make(current)``, unless it is already the plugin's (the
     replacement is marked ``_nemotron_spec_patch`` and keeps the upstream object in
-    ``__wrapped__``). Idempotent."""
+    ``__wrapped__``: ``make`` need not do either). ``make`` returning None declines: upstream's
+    object stays, unmarked. Idempotent."""
 
     def install(module):
         target = module if owner is None else getattr(module, owner)
@@ -68,6 +69,8 @@ def replace_when_imported(module_name: str, owner: str | None, attr: str,
         if getattr(current, "_nemotron_spec_patch", False):
             return
         replacement = make(current)
+        if replacement is None:
+            return
         replacement.__wrapped__ = current
         replacement._nemotron_spec_patch = True
         setattr(target, attr, replacement)

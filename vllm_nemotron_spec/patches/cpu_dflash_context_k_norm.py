@@ -34,9 +34,6 @@ def normalize_context_k_per_layer(self, all_k: torch.Tensor) -> torch.Tensor:
     return k.to(all_k.dtype) * weight[:, None, None, :].to(all_k.dtype)
 
 
-normalize_context_k_per_layer._nemotron_spec_patch = True
-
-
 def apply() -> str | None:
     if not applies(VLLM_VERSIONS, cpu_only=True):
         return None

@@ -57,9 +57,6 @@ def expand_kernel_any_dtype(
     output[: int(cu[-1])] = values.repeat_interleave(counts).to(output.dtype)
 
 
-expand_kernel_any_dtype._nemotron_spec_patch = True
-
-
 def apply() -> str | None:
     if not applies(VLLM_VERSIONS, cpu_only=True):
         return None

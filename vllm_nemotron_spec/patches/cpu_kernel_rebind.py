@@ -61,9 +61,6 @@ def rebind_kernels_skipping_foreign_objects(overrides) -> None:
                 value.__dict__.pop("_kernel_arg_names", None)
 
 
-rebind_kernels_skipping_foreign_objects._nemotron_spec_patch = True
-
-
 def apply() -> str | None:
     if not applies(VLLM_VERSIONS, cpu_only=True):
         return None

@@ -101,8 +101,6 @@ def _wrap(original):
             out=kwargs.get("out"),
         )
 
-    causal_conv1d_update.__wrapped__ = original
-    causal_conv1d_update._nemotron_spec_patch = True
     return causal_conv1d_update
 
 

@@ -105,8 +105,6 @@ def _wrap(original_call):
             dst_state_batch_indices, null_block_id, out, num_accepted_tokens, cu_seqlens,
         )
 
-    __call__.__wrapped__ = original_call
-    __call__._nemotron_spec_patch = True
     return __call__
 
 

@@ -62,7 +62,6 @@ def _sample_tokens_sparing_discarded_generators(original):
         finally:
             generators.update(held)
 
-    sample_tokens._nemotron_spec_patch = True
     return sample_tokens
 
 

@@ -151,30 +151,24 @@ def _schedule(original: Callable, patched: Callable) -> Callable:
             return patched(self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
-    schedule._nemotron_spec_patch = True
-    schedule._nemotron_spec_patched = patched
     return schedule
 
 
+def _schedule_or_none(original: Callable) -> Callable | None:
+    """``_schedule`` around ``original`` and its rewrite; None (vLLM's stays) when it cannot be
+    rewritten."""
+    try:
+        return _schedule(original, rewrite_schedule(original))
+    except (PatchMismatch, OSError, SyntaxError) as e:
+        logger.warning("not patching %s.%s.%s: %s", TARGET_MODULE, TARGET_CLASS, TARGET_METHOD, e)
+        return None
+
+
 def apply() -> str | None:
-    from vllm_nemotron_spec.patches import applies, when_imported
+    from vllm_nemotron_spec.patches import applies, replace_when_imported
 
     if not applies(VLLM_VERSIONS, cpu_only=False):
         return None
-
-    def install(module):
-        cls = getattr(module, TARGET_CLASS)
-        current = getattr(cls, TARGET_METHOD)
-        if getattr(current, "_nemotron_spec_patch", False):
-            return
-        try:
-            patched = rewrite_schedule(current)
-        except (PatchMismatch, OSError, SyntaxError) as e:
-            logger.warning("not patching %s.%s.%s: %s", TARGET_MODULE, TARGET_CLASS,
-                           TARGET_METHOD, e)
-            return
-        setattr(cls, TARGET_METHOD, _schedule(current, patched))
-
-    when_imported(TARGET_MODULE, install)
+    replace_when_imported(TARGET_MODULE, TARGET_CLASS, TARGET_METHOD, _schedule_or_none)
     return (f"{TARGET_MODULE}.{TARGET_CLASS}.{TARGET_METHOD} (no placeholder drafts for a "
             "request without prior Mamba state)")

@@ -56,7 +56,6 @@ def _unsupported_features(original):
             unsupported = [u for u in unsupported if u != V1_DSPARK_REJECTION]
         return unsupported
 
-    wrapper._nemotron_spec_patch = True
     return wrapper
 
 
@@ -74,7 +73,6 @@ def _runner_init(original):
         self.drafter = cls(vllm_config, self.device, self)
         self.use_aux_hidden_state_outputs = True
 
-    wrapper._nemotron_spec_patch = True
     return wrapper
 
 
@@ -91,7 +89,6 @@ def _input_fits(original):
             )
         return fits
 
-    wrapper._nemotron_spec_patch = True
     return wrapper
 
 
