@@ -41,8 +41,8 @@ Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simulta
 ignore_eos), measured ``--repeats`` times (default 3) in the same engine: the median repeat is
 reported, with the range of tokens/s in brackets (identical single runs in separate processes
 differed by up to 35% on a lent H200, 2026-11-30). Reported: output tokens/s (all output
-tokens / wall time of the generate call), TPOT (mean over requests of (last token time - first token time) / (tokens - 1), from vLLM's request
-stats), TTFT, measured mean acceptance length (vLLM's spec-decode counters), startup time, and
+tokens / wall time of the generate call), TPOT (mean over requests of (last token time - first
+token time) / (tokens - 1), from vLLM's request stats), TTFT, measured mean acceptance length (vLLM's spec-decode counters), startup time, and
 draft time per step: GPU time of the drafter call per engine step from CUDA events around vLLM's
 drafter entry points (``DraftStepTimer``, no host sync; the DSpark Markov walk separately) and the
 wall time per step (benchmarks/dspark_draft_kernels.py times the draft's parts in isolation).
