@@ -73,7 +73,7 @@ def test_different_seed_gives_different_weights(quick_builds):
 def test_manifest(quick_builds):
     fam = quick_builds[0]
     m = fam.manifest()
-    assert m["builder_version"] == build.BUILDER_VERSION
+    assert m["builder_sources"] == build.builder_source_hash()
     assert m["params_hash"] == QUICK.params_hash() != TinySpec().params_hash()
     assert m["params"] == QUICK.to_dict()
     files = _files(fam.root)
@@ -95,8 +95,36 @@ def test_reuse_without_rebuilding(quick_builds, monkeypatch):
     assert build.is_complete(fam.root, 0, QUICK)
     assert not build.is_complete(fam.root, 1, QUICK)  # other seed
     assert not build.is_complete(fam.root, 0, TinySpec())  # other parameters
-    monkeypatch.setattr(build, "BUILDER_VERSION", build.BUILDER_VERSION + 1)
-    assert not build.is_complete(fam.root, 0, QUICK)  # other builder version
+    monkeypatch.setattr(build, "builder_source_hash", lambda: "0" * 16)
+    assert not build.is_complete(fam.root, 0, QUICK)  # other builder code
+
+
+def test_builder_source_hash_follows_the_code(tmp_path, monkeypatch):
+    """The cache key changes when any builder source file changes, and only then."""
+    package = tmp_path / "pkg"
+    (package / "tiny").mkdir(parents=True)
+    (package / "nvfp4").mkdir()
+    (package / "tiny" / "build.py").write_text("a = 1\n")
+    (package / "nvfp4" / "format.py").write_text("b = 2\n")
+    (package / "other.py").write_text("c = 3\n")
+    monkeypatch.setattr(build, "__file__", str(package / "tiny" / "build.py"))
+
+    def digest() -> str:
+        build.builder_source_hash.cache_clear()
+        return build.builder_source_hash()
+
+    try:
+        first = digest()
+        assert digest() == first
+        (package / "other.py").write_text("c = 4\n")  # not a builder source
+        assert digest() == first
+        (package / "nvfp4" / "format.py").write_text("b = 3\n")
+        second = digest()
+        assert second != first
+        (package / "tiny" / "new.py").write_text("")  # a new builder module
+        assert digest() != second
+    finally:
+        build.builder_source_hash.cache_clear()
 
 
 def test_rebuild_when_incomplete_or_forced(quick_builds, tmp_path, monkeypatch):

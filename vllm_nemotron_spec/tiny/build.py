@@ -2,7 +2,7 @@
 
 ``build_tiny_family(outdir, seed)`` writes::
 
-    outdir/manifest.json   seed, builder version, hash of the builder's parameters, file hashes
+    outdir/manifest.json   seed, hash of the builder's code and of its parameters, file hashes
     outdir/tokenizer/      the byte-level BPE tokenizer (also copied into each model directory)
     outdir/target/         NemotronHForCausalLM (fp32 safetensors) + tokenizer files
     outdir/dflash/         DFlashDraftModel, W4A16 NVFP4 layout + tokenizer files
@@ -10,7 +10,7 @@
 
 Everything derives from the seed (corpus, tokenizer, target init and training, draft init), so
 the same seed gives byte-identical files on the same machine type. A complete family with the
-same seed, builder version and parameter hash is reused without rebuilding. Builds go to a
+same seed, builder code and parameter hash is reused without rebuilding. Builds go to a
 temporary sibling directory that is renamed into place, under a file lock, so concurrent test
 sessions sharing the cache neither race nor see half-written families.
 """
@@ -18,6 +18,7 @@ sessions sharing the cache neither race nor see half-written families.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -33,8 +34,10 @@ from vllm_nemotron_spec.tiny.drafts import DFLASH, DSPARK, DraftParams
 from vllm_nemotron_spec.tiny.target import TargetParams
 from vllm_nemotron_spec.tiny.tokenizer import TokenizerParams
 
-BUILDER_VERSION = 1
-"""Bump when the builder's code changes its output for the same parameters."""
+BUILDER_SOURCES = ("tiny/*.py", "nvfp4/format.py")
+"""The package files whose code decides what the family and the trained drafts contain (globs
+relative to the package). Their content hashes key the caches, so a changed builder never reuses
+an artifact built by older code."""
 
 MANIFEST = "manifest.json"
 REQUIRED_FILES = tuple(
@@ -92,9 +95,21 @@ class TinySpec:
 
     def params_hash(self) -> str:
         blob = json.dumps(
-            {"builder_version": BUILDER_VERSION, "spec": self.to_dict()}, sort_keys=True
+            {"builder_sources": builder_source_hash(), "spec": self.to_dict()}, sort_keys=True
         ).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@functools.cache
+def builder_source_hash() -> str:
+    """SHA-256 (16 hex digits) over the names and bytes of the ``BUILDER_SOURCES`` files."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for pattern in BUILDER_SOURCES:
+        for path in sorted(package.glob(pattern)):
+            digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def default_cache_dir() -> Path:
@@ -177,7 +192,7 @@ def is_complete(outdir: str | Path, seed: int, spec: TinySpec | None = None) -> 
     except (OSError, ValueError):
         return False
     if (
-        manifest.get("builder_version") != BUILDER_VERSION
+        manifest.get("builder_sources") != builder_source_hash()
         or manifest.get("seed") != seed
         or manifest.get("params_hash") != spec.params_hash()
     ):
@@ -209,7 +224,7 @@ def _build_into(root: Path, seed: int, spec: TinySpec, progress: bool) -> None:
         for kind in (DFLASH, DSPARK):
             drafts.build_draft(root / kind, kind, target_dir, seed=seed, params=spec.draft)
     manifest = {
-        "builder_version": BUILDER_VERSION,
+        "builder_sources": builder_source_hash(),
         "seed": seed,
         "params_hash": spec.params_hash(),
         "params": spec.to_dict(),

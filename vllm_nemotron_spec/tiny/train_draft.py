@@ -100,10 +100,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_nemotron_spec.tiny.build import _file_lock, _file_table, _install_dir, _say
-
-TRAINER_VERSION = 2
-"""Bump when the trainer's code changes its output for the same parameters."""
+from vllm_nemotron_spec.tiny.build import (
+    _file_lock,
+    _file_table,
+    _install_dir,
+    _say,
+    builder_source_hash,
+)
 
 MANIFEST = "manifest.json"
 DFLASH = "dflash"
@@ -1130,7 +1133,7 @@ def ensure_trained_drafts(
 
 
 def cache_key(family, seed: int, spec: TrainerSpec) -> str:
-    """Hash of the trainer version, its parameters, the seed and the family's target, DFlash and
+    """Hash of the builder's code (``builder_source_hash``), the trainer's parameters, the seed and the family's target, DFlash and
     DSpark draft files (the drafts' configs and initial weights are the starting point)."""
     manifest = family.manifest()
     files = manifest.get("files", {})
@@ -1141,7 +1144,7 @@ def cache_key(family, seed: int, spec: TrainerSpec) -> str:
     }
     blob = json.dumps(
         {
-            "trainer_version": TRAINER_VERSION,
+            "builder_sources": builder_source_hash(),
             "seed": seed,
             "spec": spec.to_dict(),
             "family_params_hash": manifest.get("params_hash"),
@@ -1175,7 +1178,7 @@ def build_trained_drafts(
         try:
             stats = _train_into(tmp, family, seed, spec, progress)
             manifest = {
-                "trainer_version": TRAINER_VERSION,
+                "builder_sources": builder_source_hash(),
                 "seed": seed,
                 "key": key,
                 "family": str(family.root),
@@ -1347,7 +1350,7 @@ def _is_complete(outdir: Path, key: str) -> bool:
         manifest = json.loads((outdir / MANIFEST).read_text())
     except (OSError, ValueError):
         return False
-    if manifest.get("trainer_version") != TRAINER_VERSION or manifest.get("key") != key:
+    if manifest.get("key") != key:
         return False
     files = manifest.get("files") or {}
     return bool(files) and all(
