@@ -543,7 +543,7 @@ def versions() -> dict:
 def inspect_models(models: dict, out: Path) -> int:
     """The plugin's own check of each draft against the target (what its config hook runs at
     engine start), without vLLM's engine."""
-    from vllm_nemotron_spec.inspection import inspect_checkpoint
+    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
 
     report = {}
     for kind, gamma in (("dflash", 5), ("dspark", 7)):

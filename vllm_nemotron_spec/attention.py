@@ -272,7 +272,7 @@ def _draft_attention_facts(hf_config: Any) -> tuple[bool, bool, int | None] | st
     """(causal, has_sinks, sliding_window) of a DFlash/DSpark draft from its :class:`DraftSpec`,
     or the first problem DraftSpec found (then the draft is left to vLLM: reporting a broken
     checkpoint is the draft model's job, not this hook's)."""
-    from vllm_nemotron_spec.draft_spec import DraftSpec, DraftSpecError
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 
     try:
         spec = DraftSpec.from_config(hf_config.to_dict())

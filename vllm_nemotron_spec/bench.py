@@ -164,7 +164,7 @@ def resolve_methods(specs: list[MethodSpec], family=None) -> list[MethodSpec]:
 def _checked_draft_k(method: str, draft: str, k: int | None) -> int:
     """K for a DFlash/DSpark draft: validated against (or defaulted from) the draft's config when
     the checkpoint is available locally."""
-    from vllm_nemotron_spec.draft_spec import DraftSpec, DraftSpecError
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 
     local = local_checkpoint(draft)
     if local is None:

@@ -63,8 +63,8 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
     or None when there is no DFlash/DSpark draft with the Nemotron 3.5 layout."""
     from vllm.logger import init_logger
 
-    from vllm_nemotron_spec.draft_spec import DraftSpecError
-    from vllm_nemotron_spec.inspection import inspect_checkpoint
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpecError
+    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
 
     spec_config = vllm_config.speculative_config
     if spec_config is None or spec_config.method not in ("dflash", "dspark"):

@@ -191,7 +191,7 @@ def test_vllm_aux_hidden_states_are_the_trainers(tiny_family, trained, results):
     id - 1, before norm_f for the last id), up to the kernels' float differences."""
     import torch
 
-    from vllm_nemotron_spec.draft_spec import DraftSpec
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
     from vllm_nemotron_spec.tiny import train_draft as td
     from vllm_nemotron_spec.tiny.target import load_target
 

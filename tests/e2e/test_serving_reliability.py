@@ -378,7 +378,7 @@ def test_config_error_line_joins_every_problem_on_one_line():
     from pydantic.dataclasses import dataclass
 
     from vllm_nemotron_spec.cli.vllm import config_error_line
-    from vllm_nemotron_spec.draft_spec import DraftSpecError
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpecError
 
     @dataclass
     class VllmConfig:

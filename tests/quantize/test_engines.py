@@ -78,7 +78,7 @@ def test_same_layout_configs_and_unpacked_tensors(compared, builtin_dflash, mode
 def test_modelopt_excludes_the_same_modules(modelopt_result, builtin_dflash):
     """modelopt's own exclusion list (from the modules it left unquantized) selects the same
     modules as the layout's (tiny/drafts.exclude_modules)."""
-    from vllm_nemotron_spec.draft_spec import DraftSpec
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 
     ours = DraftSpec.from_pretrained(builtin_dflash)
     cfg = json.loads((builtin_dflash / "config.json").read_text())

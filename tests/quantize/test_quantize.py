@@ -92,7 +92,7 @@ def test_dspark_packs_markov_w2_and_keeps_markov_w1_and_sinks_bf16(bf16_dspark, 
 
 
 def test_result_passes_inspect(builtin_dflash, tiny_family):
-    from vllm_nemotron_spec.inspection import inspect_checkpoint
+    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
 
     report = inspect_checkpoint(str(builtin_dflash), target=str(tiny_family.target))
     assert report["problems"] == [] and report["nemotron35_layout"]

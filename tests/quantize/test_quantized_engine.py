@@ -91,7 +91,7 @@ def quantized(request, tiny_family, prompts):
 
 
 def _skip_unless_startup_check_knows_compressed_tensors(draft) -> None:
-    from vllm_nemotron_spec.inspection import inspect_checkpoint
+    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
 
     problems = inspect_checkpoint(str(draft))["problems"]
     if problems:

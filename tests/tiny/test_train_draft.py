@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from vllm_nemotron_spec.draft_spec import DraftSpec
+from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 from vllm_nemotron_spec.tiny import drafts
 from vllm_nemotron_spec.tiny import train_draft as td
 from vllm_nemotron_spec.tiny.target import TargetParams, make_config

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_nemotron_spec.draft_spec import DraftSpec
+from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 from vllm_nemotron_spec.tiny import drafts
 from vllm_nemotron_spec.tiny import train_draft as td
 
@@ -299,7 +299,7 @@ def test_wrong_anchor_twin_collapses(tiny_family, trained, fresh_data):
 
 
 def test_trained_checkpoints_pass_inspection(tiny_family, trained):
-    from vllm_nemotron_spec.inspection import inspect_checkpoint
+    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
 
     for path, anchor in ((trained.dspark, False), (trained.dspark_wrong_anchor, True)):
         report = inspect_checkpoint(str(path), str(tiny_family.target))

@@ -74,7 +74,7 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
     import vllm
     from vllm.platforms import current_platform
 
-    from vllm_nemotron_spec.draft_spec import DraftSpec
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
     from vllm_nemotron_spec.bench import family_draft
     from vllm_nemotron_spec.runs import generate, make_llm, release
     from vllm_nemotron_spec.tiny.build import build_tiny_family, ensure_tiny_family

@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from vllm_nemotron_spec.inspection import inspect_checkpoint
+    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
 
     try:
         report = inspect_checkpoint(args.draft, target=args.target,

@@ -73,7 +73,7 @@ def config_error_line(exc: BaseException) -> str | None:
     """One line for a configuration error raised while vLLM builds its config (pydantic's
     ``ValidationError`` of ``SpeculativeConfig`` / ``VllmConfig`` / ..., or the plugin's
     ``DraftSpecError``); None for any other exception (those keep their traceback)."""
-    from vllm_nemotron_spec.draft_spec import DraftSpecError
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpecError
 
     if isinstance(exc, DraftSpecError):
         return _draft_error_line(exc)

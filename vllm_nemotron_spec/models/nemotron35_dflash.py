@@ -11,7 +11,7 @@ need around it:
 
 - it is chosen only for drafts that pass the structural check (``target_hook`` routes them here),
   so every other DFlash draft keeps vLLM's class;
-- it holds the validated :class:`~vllm_nemotron_spec.draft_spec.DraftSpec` and checks, after
+- it holds the validated :class:`~vllm_nemotron_spec.checkpoint.spec.DraftSpec` and checks, after
   building, that the modules vLLM built are the ones the checkpoint describes (fc width = aux ids x
   target hidden, mask token, causality, layer count), so a mismatch fails at start-up with the
   field named instead of drafting garbage;
@@ -23,14 +23,14 @@ from __future__ import annotations
 from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
-from vllm_nemotron_spec.draft_spec import DraftSpec, DraftSpecError
+from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 
 ARCHITECTURE = "DFlashNemotron35DraftModel"
 
 
 def draft_spec_from_vllm_config(vllm_config: VllmConfig) -> DraftSpec:
     """The draft's DraftSpec, parsed from its config.json (the path vLLM loads it from)."""
-    from vllm_nemotron_spec.inspection import local_checkpoint_path
+    from vllm_nemotron_spec.checkpoint.inspect import local_checkpoint_path
 
     draft = vllm_config.speculative_config.draft_model_config.model
     local = local_checkpoint_path(draft)

@@ -207,7 +207,7 @@ class NemotronCTW4A16NvFp4Config(CompressedTensorsConfig):
 
 
 def _is_nemotron35_draft(hf_config) -> bool:
-    from vllm_nemotron_spec.draft_spec import is_nemotron35_draft_config
+    from vllm_nemotron_spec.checkpoint.spec import is_nemotron35_draft_config
 
     if hf_config is None:
         return False

@@ -3,7 +3,7 @@
 :func:`quantize_draft` does, in order:
 
 1. reads the BF16 draft (:func:`load_source`): config.json parsed by
-   :class:`~vllm_nemotron_spec.draft_spec.DraftSpec` (the same parse ``inspect`` and the server
+   :class:`~vllm_nemotron_spec.checkpoint.spec.DraftSpec` (the same parse ``inspect`` and the server
    use), every tensor checked against the names and logical shapes the spec implies (a ``model.``
    prefix is dropped; a missing, unexpected, non-float or non-finite tensor is an error naming it);
    a draft that already carries a quantization config is refused;
@@ -118,7 +118,7 @@ def load_source(path: str | Path) -> SourceDraft:
     :class:`QuantizeError` listing every problem."""
     import torch
 
-    from vllm_nemotron_spec.draft_spec import DraftSpec, DraftSpecError
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
     from vllm_nemotron_spec.quantize.safetensors_io import read_tensors
 
     path = Path(path).expanduser()
@@ -224,7 +224,7 @@ def output_configs(source: SourceDraft, producer_version: str) -> tuple[dict, di
 
 def check_configs_match_layout(config: dict, packed: list[str], spec) -> None:
     """The written config must quantize exactly the packed modules (a bug otherwise)."""
-    from vllm_nemotron_spec.draft_spec import DraftSpec
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 
     out_spec = DraftSpec.from_config(config)
     wrong = [name for name, _ in spec.linear_modules()
@@ -331,7 +331,7 @@ def quantize_draft(
 
 def _check_written(directory: Path) -> None:
     """The quantized checkpoint, checked exactly as ``inspect`` checks it (headers only)."""
-    from vllm_nemotron_spec.inspection import inspect_checkpoint
+    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
 
     report = inspect_checkpoint(str(directory))
     if report["problems"]:

@@ -476,7 +476,7 @@ class DFlashDraft(nn.Module):
     """The DFlash backbone with ``state_dict()`` names exactly the checkpoint's
     (:func:`vllm_nemotron_spec.tiny.drafts.logical_shapes`, without DSpark's Markov head);
     ``embed_tokens`` is frozen. Dimensions, attention kind and RoPE are read once from the
-    :class:`~vllm_nemotron_spec.draft_spec.DraftSpec`; :func:`reference_dflash_forward` runs it."""
+    :class:`~vllm_nemotron_spec.checkpoint.spec.DraftSpec`; :func:`reference_dflash_forward` runs it."""
 
     def __init__(self, spec, is_neox_style: bool = True):
         super().__init__()
@@ -538,8 +538,8 @@ class DSparkDraft(DFlashDraft):
 
 def load_draft_module(path: str | Path) -> tuple[DFlashDraft, object]:
     """A draft checkpoint (NVFP4 dequantized, BF16 upcast) as :class:`DFlashDraft` (DFlash) or
-    :class:`DSparkDraft` (DSpark), and its :class:`~vllm_nemotron_spec.draft_spec.DraftSpec`."""
-    from vllm_nemotron_spec.draft_spec import DraftSpec
+    :class:`DSparkDraft` (DSpark), and its :class:`~vllm_nemotron_spec.checkpoint.spec.DraftSpec`."""
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
     from vllm_nemotron_spec.tiny.drafts import read_draft_state_dict
 
     spec = DraftSpec.from_pretrained(path)

@@ -11,14 +11,14 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import draft_configs as dc  # noqa: E402
 
-from vllm_nemotron_spec.checkpoint import (  # noqa: E402
+from vllm_nemotron_spec.checkpoint.headers import (  # noqa: E402
     CheckpointError,
     check_tensors,
     read_checkpoint,
     read_safetensors_header,
     scan_checkpoint,
 )
-from vllm_nemotron_spec.draft_spec import DraftSpec, DraftSpecError  # noqa: E402
+from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError  # noqa: E402
 
 
 def checked(directory, cfg):

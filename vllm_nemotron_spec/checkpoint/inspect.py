@@ -19,7 +19,7 @@ from collections import OrderedDict
 def inspect_checkpoint(draft: str, target: str | None = None,
                        num_speculative_tokens: int | None = None) -> dict:
     """Everything ``inspect`` prints, as a dict; never raises for a bad checkpoint."""
-    from vllm_nemotron_spec.draft_spec import (
+    from vllm_nemotron_spec.checkpoint.spec import (
         DraftSpec,
         DraftSpecError,
         check_against_target,
@@ -74,7 +74,7 @@ def inspect_checkpoint(draft: str, target: str | None = None,
     # ---- weights (headers only) ------------------------------------------------------------
     modules = None
     if draft_dir is not None:
-        from vllm_nemotron_spec.checkpoint import check_tensors, expected_modules, scan_checkpoint
+        from vllm_nemotron_spec.checkpoint.headers import check_tensors, expected_modules, scan_checkpoint
 
         scan = scan_checkpoint(draft_dir)
         problems.extend(f"draft weights: {p}" for p in scan.problems)

@@ -20,7 +20,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from vllm_nemotron_spec.draft_spec import DraftSpec, DraftSpecError
+from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

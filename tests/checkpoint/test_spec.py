@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import draft_configs as dc  # noqa: E402
 
-from vllm_nemotron_spec.draft_spec import (  # noqa: E402
+from vllm_nemotron_spec.checkpoint.spec import (  # noqa: E402
     NVFP4_GROUP_SIZE,
     DraftSpec,
     DraftSpecError,
