@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import draft_configs as dc  # noqa: E402
 
-from vllm_nemotron_spec import attention, target_hook  # noqa: E402
+from vllm_nemotron_spec import patches, attention, target_hook  # noqa: E402
 from vllm_nemotron_spec.attention import (  # noqa: E402
     FLASH_ATTN,
     FLASHINFER,
@@ -344,7 +344,7 @@ class _Lines(logging.Handler):
 @pytest.fixture
 def cuda(monkeypatch):
     """Simulate a CUDA capability for the hook only (vLLM's CPU build keeps running as CPU)."""
-    target_hook.register()
+    patches.apply_one("nemotron_h_config_hook")
     # Configure vLLM's logging now, as create_engine_config would: configuring it clears the
     # handlers of every "vllm.*" logger, the one added below included.
     from vllm.config.logging import LoggingConfig

@@ -1,29 +1,14 @@
-"""The NemotronH config hook: chained onto vLLM's, NemotronH only, prefix caching off on CPU."""
+"""The NemotronH config hook's decisions: prefix caching on CPU, draft checks and routing."""
 
 import json
 
-from vllm_nemotron_spec import target_hook
-
-
-def test_register_chains_vllm_nemotron_h_hook_only():
-    from vllm.model_executor.models import config as models_config
-
-    before = dict(models_config.MODELS_CONFIG_MAP)
-    first = target_hook.register()
-    hook = models_config.MODELS_CONFIG_MAP["NemotronHForCausalLM"]
-    assert target_hook.register() == first  # idempotent: no second wrapper
-    assert models_config.MODELS_CONFIG_MAP["NemotronHForCausalLM"] is hook
-    assert issubclass(hook, models_config.NemotronHForCausalLMConfig)  # vLLM's own hook kept
-    after = models_config.MODELS_CONFIG_MAP
-    changed = {arch for arch, cls in after.items() if cls is not before.get(arch)}
-    assert changed <= {"NemotronHForCausalLM"}
-    assert "LlamaForCausalLM" not in after
+from vllm_nemotron_spec import patches, target_hook
 
 
 def _engine_config(model_dir, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
-    target_hook.register()
+    patches.apply_one("nemotron_h_config_hook")
     return EngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=256,
                       **kwargs).create_engine_config()
 
@@ -66,3 +51,21 @@ def test_dropping_the_nested_flag_keeps_the_rest():
     hf = types.SimpleNamespace(dflash_config={"sample_from_anchor": True, "causal": True})
     target_hook.drop_nested_sample_from_anchor(hf)
     assert hf.dflash_config == {"causal": True}
+
+
+def test_spec_decode_refuses_when_a_needed_patch_is_not_installed(tiny_family, monkeypatch):
+    """On a vLLM the scheduler patch was not checked against, hybrid-target speculative decoding
+    stops at start-up with one line naming the patch and the version, not wrong tokens."""
+    import pytest
+
+    _engine_config(tiny_family.target)  # the hook and the patches are registered
+    monkeypatch.setitem(patches._state, "mamba_spec_decode_padding",
+                        "not installed: checked against vLLM 0.32.0, 0.33.0, this is vLLM 0.32.9")
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with pytest.raises(Exception, match=r"needs the vllm-nemotron-spec patch "
+                                        r"mamba_spec_decode_padding .* this is vLLM 0\.32\.9"):
+        _engine_config(tiny_family.target, speculative_config=spec, enable_prefix_caching=False)
+    monkeypatch.setitem(patches._state, "mamba_spec_decode_padding", patches.INSTALLED)
+    config = _engine_config(tiny_family.target, speculative_config=spec,
+                            enable_prefix_caching=False)
+    assert config.speculative_config.method == "ngram"

@@ -19,8 +19,7 @@ REGISTRATIONS: tuple[tuple[str, str], ...] = (
     ("vllm_nemotron_spec.nvfp4.config", "register"),  # W4A16 NVFP4 quantization config
     ("vllm_nemotron_spec.nvfp4.compressed_tensors", "register"),  # CT NVFP4A16 drafts on CPU
     ("vllm_nemotron_spec.models", "register"),  # Nemotron 3.5 draft architectures
-    ("vllm_nemotron_spec.target_hook", "register"),  # NemotronH config hook (attention, CPU)
-    ("vllm_nemotron_spec.patches", "apply_all"),  # version-guarded patches of vLLM internals
+    ("vllm_nemotron_spec.patches", "apply_all"),  # NemotronH config hook, fixes of vLLM internals
 )
 
 _lock = threading.Lock()

