@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import draft_configs as dc  # noqa: E402
 
-from vllm_nemotron_spec import patches, attention, target_hook  # noqa: E402
+from vllm_nemotron_spec import patches, attention  # noqa: E402
 from vllm_nemotron_spec.attention import (  # noqa: E402
     FLASH_ATTN,
     FLASHINFER,

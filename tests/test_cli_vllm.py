@@ -1,6 +1,5 @@
 """The ``vllm`` passthrough: vLLM's CLI with one-line config errors."""
 
-from vllm_nemotron_spec.cli import vllm as passthrough
 
 
 def test_help_lists_every_subcommand(capsys):

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from vllm_nemotron_spec import patches, target_hook
+from vllm_nemotron_spec import patches
 
 
 def _engine_config(target, method, draft, k=4):
