@@ -1,5 +1,5 @@
 """The DSpark draft step part by part at the real shapes, each against its memory-bandwidth floor
-(issue #8). Self-checking: exits 1 when the fused Markov walk disagrees with the fp32 reference.
+Self-checking: exits 1 when the fused Markov walk disagrees with the fp32 reference.
 
 GPU (H200, vLLM 0.33; about 2-4 minutes, most of it Triton compiles of the candidate kernels):
     python benchmarks/dspark_draft_kernels.py --out /tmp/dspark-kernels
@@ -488,7 +488,7 @@ def fused_candidates(mk, s: Shapes, batch: int, only_default: bool, smoke: bool 
     r_half = s.rank // 2
     out = {"default": default}
     bb = default.block_b
-    # the default before session 4: partials reduction, two programs an SM
+    # the earlier default: partials reduction, two programs an SM
     previous = mk.MarkovKernelConfig(variant=default.variant, block_b=bb, block_v=64 if bb == 16 else 128,
                                      block_k=r_half, num_warps=4 if bb == 16 else 8)  # fmt: skip
     out["previous-default-partials"] = previous

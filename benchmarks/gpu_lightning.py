@@ -1,6 +1,5 @@
 """System benchmark on one GPU: Nemotron 3.5 Lightning-width target + DFlash/DSpark drafts in vLLM
-0.33's offline LLM API, with vLLM's synthetic acceptance set to NVIDIA's expected acceptance lengths
-(issue #8). Nothing is downloaded.
+0.33's offline LLM API, with vLLM's synthetic acceptance set to NVIDIA's expected acceptance lengths. Nothing is downloaded.
 
     python benchmarks/gpu_lightning.py --out /tmp/lightning            # H200: < 8 minutes (budgeted)
     python benchmarks/gpu_lightning.py --smoke --out /tmp/lightning-smoke   # CPU: tiny, all paths

@@ -1,4 +1,4 @@
-"""Serving reliability of the DFlash / DSpark path under stress (issue 9), on CPU, tiny family.
+"""Serving reliability of the DFlash / DSpark path under stress, on CPU, tiny family.
 
 Real ``vllm serve`` processes on 127.0.0.1 (through ``vllm-nemotron-spec vllm serve``), fp32,
 eager, greedy unless stated:

@@ -1,4 +1,4 @@
-"""Issue 9: a real ``vllm serve`` with the DFlash / DSpark path keeps working and stays exact
+"""A real ``vllm serve`` with the DFlash / DSpark path keeps working and stays exact
 under stress (CPU, tiny family, 127.0.0.1).
 
 Two servers run for the module: a plain one (the reference: each request served ALONE, without

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.engine
 NUM_SPECULATIVE_TOKENS = 4
 MAX_TOKENS = 48
 MAX_ACCEPTANCE_LOSS = 0.1
-"""Tokens per step a quantized draft may lose against its BF16 source (issue 10)."""
+"""Tokens per step a quantized draft may lose against its BF16 source."""
 
 LONG_PROMPT_LENGTHS = (60, 100, 150)
 

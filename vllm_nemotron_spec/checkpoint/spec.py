@@ -420,7 +420,7 @@ class DraftSpec:
     quant_algo: str | None
     quant_group_size: int | None
     quant_exclude_modules: tuple[str, ...]
-    # Added fields (beyond the agreed API).
+    # Optional fields: defaults where the config does not set them.
     model_type: str | None = None
     hidden_act: str = "silu"
     attention_bias: bool = False

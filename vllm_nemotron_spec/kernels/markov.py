@@ -580,7 +580,7 @@ class MarkovKernelConfig:
 
 def default_config(batch: int, rank: int = 512) -> MarkovKernelConfig:
     """The launch parameters chosen for ``batch`` rows, from H200 measurements (benchmarks/RESULTS.md,
-    "Session 4"): the atomic (max, argmax) reduction and about four programs an SM at every batch.
+    2026-11-30, "the Markov walk's launch configs and atomic reduction"): the atomic (max, argmax) reduction and about four programs an SM at every batch.
 
     More resident programs hide more of the memory latency of streaming ``markov_w2`` (the
     one-chunk config takes all 255 registers a thread on sm_90, so two programs an SM leave 8
