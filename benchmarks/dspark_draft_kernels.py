@@ -1,4 +1,4 @@
-"""The DSpark draft step part by part at the real shapes, each against its memory-bandwidth floor
+"""The DSpark draft step part by part at the real shapes, each against its memory-bandwidth floor.
 Self-checking: exits 1 when the fused Markov walk disagrees with the fp32 reference.
 
 GPU (H200, vLLM 0.33; about 2-4 minutes, most of it Triton compiles of the candidate kernels):
