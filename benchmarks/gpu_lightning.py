@@ -19,7 +19,7 @@ two drafts are ~1.2 GB each; reused by later invocations):
 * drafts: the official layout at the official size (6 layers, hidden 2688, vocab 131072, 32 / 2
   heads x 128, MLP 6144, markov rank 512, sliding window 1024, block size 8): config.json from
   ``tiny.drafts.draft_config``, tensor names / dtypes / packed shapes from
-  ``tiny.drafts.checkpoint_layout`` (NVFP4 W4A16: uint8 codes, fp8 block scales, fp32 global
+  ``tiny.layout.checkpoint_layout`` (NVFP4 W4A16: uint8 codes, fp8 block scales, fp32 global
   scale), random values, written to safetensors (loaded for real: ``draft_load_config`` auto).
   ``target_layer_ids`` are spread over the reduced target (``tiny.drafts.spread_layer_ids``).
 
@@ -69,6 +69,8 @@ Writes results.json, results.md, logs/<run>.log and runs/<run>.json to --out (sm
 from __future__ import annotations
 
 import argparse
+
+from vllm_nemotron_spec.checkpoint import layout
 import json
 import os
 import statistics
@@ -256,7 +258,7 @@ def write_draft(out: Path, kind: str, target_cfg: dict, params, cache: dict) -> 
     )  # fmt: skip
     tensors = {}
     gen = torch.Generator().manual_seed(1234)
-    for name, (dtype, shape) in drafts.checkpoint_layout(config).items():
+    for name, (dtype, shape) in layout.checkpoint_layout(config).items():
         key = (name, dtype, shape)
         if key not in cache:  # the DFlash and DSpark drafts share most tensors
             if dtype == "uint8":
@@ -273,9 +275,9 @@ def write_draft(out: Path, kind: str, target_cfg: dict, params, cache: dict) -> 
             cache[key] = t.contiguous()
         tensors[name] = cache[key]
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / drafts.WEIGHTS_FILE), metadata={"format": "pt"})
-    (out / drafts.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (out / drafts.HF_QUANT_CONFIG_FILE).write_text(json.dumps(drafts.hf_quant_config(kind), indent=2) + "\n")
+    save_file(tensors, str(out / layout.WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / layout.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / layout.HF_QUANT_CONFIG_FILE).write_text(json.dumps(layout.hf_quant_config(kind), indent=2) + "\n")
     return config
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.nvfp4 import config as nvcfg
 
 drafts = pytest.importorskip("vllm_nemotron_spec.tiny.drafts")
@@ -22,7 +23,7 @@ def _draft_config(kind: str) -> dict:
 def _linear_modules(config: dict) -> list[str]:
     """Checkpoint modules that vLLM builds as linear layers (not embeddings, norms or sinks)."""
     modules = []
-    for name, shape in drafts.logical_shapes(config).items():
+    for name, shape in layout.logical_shapes(config).items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and len(shape) == 2 and module.split(".")[-1] not in (
             "embed_tokens",
@@ -38,10 +39,10 @@ def test_tiny_draft_exclusions_select_exactly_its_nvfp4_linears(kind):
     quant = config["quantization_config"]
     override = nvcfg.NemotronW4A16NvFp4Config.override_quantization_method
     assert override(quant, None) == nvcfg.NAME
-    assert override(drafts.hf_quant_config(kind), None) == nvcfg.NAME
+    assert override(layout.hf_quant_config(kind), None) == nvcfg.NAME
     for qc in (
         nvcfg.NemotronW4A16NvFp4Config.from_config(quant),
-        nvcfg.NemotronW4A16NvFp4Config.from_config(drafts.hf_quant_config(kind)),
+        nvcfg.NemotronW4A16NvFp4Config.from_config(layout.hf_quant_config(kind)),
     ):
         qc.packed_modules_mapping = {
             "qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -51,6 +52,6 @@ def test_tiny_draft_exclusions_select_exactly_its_nvfp4_linears(kind):
         assert "fc" in modules and "layers.0.mlp.down_proj" in modules
         fused = ["layers.0.self_attn.qkv_proj", "layers.0.mlp.gate_up_proj"]
         for module in modules + fused:
-            quantized = module in fused[1:] or drafts.is_nvfp4_module(module)
+            quantized = module in fused[1:] or layout.is_nvfp4_module(module)
             for path in (module, f"model.{module}", f"draft_model.model.{module}"):
                 assert qc.is_layer_excluded(path) is not quantized, path

@@ -29,7 +29,8 @@ def bf16_dflash(trained):
 @pytest.fixture(scope="session")
 def bf16_dspark(tiny_family, tmp_path_factory):
     """The family's (random) DSpark draft as a BF16 checkpoint: its NVFP4 modules dequantized."""
-    from vllm_nemotron_spec.tiny.drafts import DSPARK, DraftParams, read_draft_state_dict
+    from vllm_nemotron_spec.checkpoint.layout import DSPARK
+    from vllm_nemotron_spec.tiny.drafts import DraftParams, read_draft_state_dict
     from vllm_nemotron_spec.tiny.train_draft import write_unquantized_draft
 
     state = read_draft_state_dict(tiny_family.dspark_draft)

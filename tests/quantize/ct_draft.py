@@ -68,7 +68,7 @@ def build_ct_draft(bf16_draft: str | Path, outdir: str | Path, *, fuse_gate_up: 
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
     from safetensors.torch import load_file, save_file
 
-    from vllm_nemotron_spec.tiny.drafts import is_nvfp4_module
+    from vllm_nemotron_spec.checkpoint.layout import is_nvfp4_module
 
     bf16_draft, outdir = Path(bf16_draft), Path(outdir)
     tensors = load_file(str(bf16_draft / "model.safetensors"))

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 from vllm_nemotron_spec.quantize.core import QuantizeError, load_source, quantize_draft
-from vllm_nemotron_spec.tiny import drafts
 
 
 from tests.quantize.util import bits_equal
@@ -57,7 +57,7 @@ def test_builtin_packs_with_the_reference_packer_bit_for_bit(bf16_dflash, builti
     source, ours = _tensors(bf16_dflash), _tensors(builtin_dflash)
     for name, weight in source.items():
         module = name[: -len(".weight")]
-        if drafts.is_nvfp4_module(module):
+        if layout.is_nvfp4_module(module):
             ref = nvfp4.quantize(weight.float()).tensors(module)
             for key, value in ref.items():
                 assert bits_equal(ours[key], value), key
@@ -73,7 +73,7 @@ def test_dequantized_weights_are_close_to_the_bf16_draft(bf16_dflash, builtin_df
     for name, weight in source.items():
         w = weight.float()
         err = (deq[name] - w).norm() / w.norm()
-        limit = 0.12 if drafts.is_nvfp4_module(name[: -len(".weight")]) else 0.0
+        limit = 0.12 if layout.is_nvfp4_module(name[: -len(".weight")]) else 0.0
         assert float(err) <= limit, (name, float(err))
 
 

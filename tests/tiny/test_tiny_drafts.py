@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 from vllm_nemotron_spec.tiny import drafts
 from vllm_nemotron_spec.tiny.tokenizer import MASK_ID
@@ -286,9 +287,9 @@ def test_tensor_names_dtypes_shapes(tiny_family, kind):
         assert raw[name].dtype == dtype, f"{name}: dtype {raw[name].dtype}, expected {dtype}"
         assert tuple(raw[name].shape) == shape, f"{name}: shape {tuple(raw[name].shape)}, expected {shape}"
     # the helper that other code uses describes the same layout
-    layout = drafts.checkpoint_layout(config)
-    assert {k: (getattr(torch, d), s) for k, (d, s) in layout.items()} == expected
-    assert sorted(drafts.nvfp4_modules(config)) == sorted(fp4)
+    described = layout.checkpoint_layout(config)
+    assert {k: (getattr(torch, d), s) for k, (d, s) in described.items()} == expected
+    assert sorted(layout.nvfp4_modules(config)) == sorted(fp4)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -331,7 +332,7 @@ def test_nvfp4_scales_are_sane(tiny_family, kind):
 def test_read_draft_state_dict_of_family(tiny_family, kind):
     config = _config(tiny_family, kind)
     state = drafts.read_draft_state_dict(tiny_family.draft(kind))
-    shapes = drafts.logical_shapes(config)
+    shapes = layout.logical_shapes(config)
     assert sorted(state) == sorted(shapes)
     for name, tensor in state.items():
         assert tensor.dtype == torch.float32
@@ -352,7 +353,7 @@ def test_write_read_round_trip(tiny_family, tmp_path, kind):
     back = drafts.read_draft_state_dict(out)
     raw = _raw_tensors(out)
     assert sorted(back) == sorted(dense)
-    packed = set(drafts.nvfp4_modules(config))
+    packed = set(layout.nvfp4_modules(config))
     # packed with the reference quantizer (checked on a few modules; the rest via the raw tensors)
     for module in ("fc", "layers.0.mlp.gate_proj", "layers.5.mlp.down_proj") + (
         ("markov_head.markov_w2",) if kind == "dspark" else ()

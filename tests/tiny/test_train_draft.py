@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 from vllm_nemotron_spec.tiny import drafts
 from vllm_nemotron_spec.tiny import train_draft as td
@@ -42,7 +43,7 @@ def target():
     return model
 
 
-def _draft_config(kind=drafts.DFLASH) -> dict:
+def _draft_config(kind=layout.DFLASH) -> dict:
     p = drafts.DraftParams(
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         intermediate_size=32, markov_rank=16, sliding_window=6, block_size=4,
@@ -130,7 +131,7 @@ def test_aux_ids_follow_vllm_block_order():
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", [drafts.DFLASH, drafts.DSPARK])  # YaRN / plain RoPE
+@pytest.mark.parametrize("kind", [layout.DFLASH, layout.DSPARK])  # YaRN / plain RoPE
 def test_rope_matches_vllm(tmp_path, kind):
     from transformers import AutoConfig
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -148,7 +149,7 @@ def test_rope_matches_vllm(tmp_path, kind):
     positions = torch.tensor([0, 1, 5, 17, 255, 256, 1000, 4095])
     cos, sin = td.rope_cos_sin(spec.head_dim, spec.rope_theta, spec.rope_scaling, positions)
     torch.testing.assert_close(torch.cat([cos, sin], -1), rope.cos_sin_cache[positions])
-    if kind == drafts.DFLASH:
+    if kind == layout.DFLASH:
         assert cos[1].abs().max() > 1.0  # YaRN's mscale multiplies cos and sin
     q = torch.randn(len(positions), spec.num_attention_heads * spec.head_dim)
     k = torch.randn(len(positions), spec.num_key_value_heads * spec.head_dim)
@@ -167,7 +168,7 @@ def test_module_state_dict_uses_the_checkpoint_names():
     config = _draft_config()
     model, _ = _draft(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    assert shapes == drafts.logical_shapes(config)
+    assert shapes == layout.logical_shapes(config)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert frozen == ["embed_tokens.weight"]
 
@@ -255,7 +256,7 @@ def test_non_causal_inside_the_block():
     long = td.reference_dflash_forward(model, aux, tokens, anchors, 5)
     assert not torch.allclose(short[:, :, 0], long[:, :, 0])
     # Causal (DSpark's attention, with its sliding window and sinks): row r sees rows <= r only.
-    causal, spec = _draft(_draft_config(drafts.DSPARK))
+    causal, spec = _draft(_draft_config(layout.DSPARK))
     assert spec.causal and spec.sliding_window == 6 and spec.has_attention_sinks
     short = td.reference_dflash_forward(causal, aux, tokens, anchors, 3)
     long = td.reference_dflash_forward(causal, aux, tokens, anchors, 5)
@@ -362,7 +363,7 @@ def test_unquantized_writer_has_no_quantization(tmp_path):
     )
     ids = drafts.spread_layer_ids(8)
     out = td.write_unquantized_draft(
-        tmp_path / "bf16", drafts.DFLASH, state, target_dir, params=params, target_layer_ids=ids,
+        tmp_path / "bf16", layout.DFLASH, state, target_dir, params=params, target_layer_ids=ids,
         mask_token_id=MASK,
     )
     written = json.loads((out / "config.json").read_text())

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 from vllm_nemotron_spec.tiny import drafts
 from vllm_nemotron_spec.tiny import train_draft as td
@@ -29,7 +30,7 @@ def _config(sample_from_anchor: bool = False) -> dict:
         intermediate_size=32, markov_rank=16, sliding_window=WINDOW, block_size=4,
     )
     config = drafts.draft_config(
-        drafts.DSPARK, hidden_size=HIDDEN, vocab_size=VOCAB,
+        layout.DSPARK, hidden_size=HIDDEN, vocab_size=VOCAB,
         target_layer_ids=drafts.spread_layer_ids(8), params=params, mask_token_id=MASK,
     )
     if sample_from_anchor:
@@ -63,7 +64,7 @@ def test_module_state_dict_uses_the_checkpoint_names():
     config = _config()
     model = _draft()
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    assert shapes == drafts.logical_shapes(config)
+    assert shapes == layout.logical_shapes(config)
     assert shapes["markov_head.markov_w1.weight"] == (VOCAB, 16)
     assert shapes["markov_head.markov_w2.weight"] == (VOCAB, 16)  # a linear rank -> vocab
     assert model.causal and model.sliding_window == WINDOW and not model.sample_from_anchor
@@ -267,7 +268,7 @@ def trained(tiny_family):
 def fresh_data(tiny_family, trained):
     """Target greedy continuations of prompts from documents the trainer never saw (another
     corpus seed), with the DSpark draft's aux hidden states."""
-    from vllm_nemotron_spec.tiny._torch import deterministic_torch
+    from vllm_nemotron_spec._torch import deterministic_torch
 
     params = td.DataParams(prompt_lengths=(24, 96), sequences_per_length=6, new_tokens=32,
                            num_docs=300)
@@ -277,7 +278,7 @@ def fresh_data(tiny_family, trained):
 
 
 def _acceptance(path, tiny_family, data, gamma):
-    from vllm_nemotron_spec.tiny._torch import deterministic_torch
+    from vllm_nemotron_spec._torch import deterministic_torch
 
     model, _ = td.load_draft_module(path)
     with deterministic_torch(1):
@@ -335,7 +336,7 @@ def test_markov_head_is_stored_as_in_the_official_checkpoint(tiny_family, traine
         torch.bfloat16, (config["num_attention_heads"],)
     )
     assert {n: d for n, d in dtypes.items()} == {
-        n: (getattr(torch, d), s) for n, (d, s) in drafts.checkpoint_layout(config).items()
+        n: (getattr(torch, d), s) for n, (d, s) in layout.checkpoint_layout(config).items()
     }
     # Trained, not the family's random init.
     family = drafts.read_draft_state_dict(tiny_family.dspark_draft)

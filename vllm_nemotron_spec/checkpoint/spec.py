@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from vllm_nemotron_spec.checkpoint.layout import GROUP_SIZE as NVFP4_GROUP_SIZE
+
 NEMOTRON35_ARCHITECTURES = ("DFlashDraftModel", "Qwen3DSparkModel")
 """Draft architectures that can carry the Nemotron 3.5 layout."""
 
@@ -40,9 +42,6 @@ DSpark."""
 NVFP4_QUANT_ALGOS = ("W4A16_NVFP4", "NVFP4")
 """ModelOpt algorithms whose weights use the packed NVFP4 layout of ``nvfp4.format``."""
 
-NVFP4_GROUP_SIZE = 16
-"""Inputs per float8 block scale; equals ``nvfp4.format.GROUP_SIZE`` (asserted by a test; kept here
-so that parsing a config does not import torch)."""
 
 NEMOTRON35_DFLASH_NUM_SPECULATIVE_TOKENS = 5
 """The Nemotron 3.5 DFlash draft declares no ``block_size``; NVIDIA's published vLLM recipe drafts 5

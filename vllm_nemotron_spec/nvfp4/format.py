@@ -17,8 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-GROUP_SIZE = 16
-"""Inputs that share one float8 block scale."""
+from vllm_nemotron_spec.checkpoint.layout import (  # noqa: F401 (part of this module's API)
+    GROUP_SIZE,
+    _check_logical,
+    logical_shape,
+    packed_shape,
+    scale_shape,
+)
 
 E2M1_MAX = 6.0
 FP8_E4M3_MAX = 448.0
@@ -55,36 +60,6 @@ class NVFP4Weight:
             f"{prefix}.weight_scale": self.weight_scale,
             f"{prefix}.weight_scale_2": self.weight_scale_2,
         }
-
-
-def packed_shape(logical: tuple[int, int]) -> tuple[int, int]:
-    """Shape of the uint8 ``weight`` tensor that stores a logical ``[out, in]`` weight."""
-    out_features, in_features = _check_logical(logical)
-    return (out_features, in_features // 2)
-
-
-def scale_shape(logical: tuple[int, int]) -> tuple[int, int]:
-    """Shape of the float8 ``weight_scale`` tensor for a logical ``[out, in]`` weight."""
-    out_features, in_features = _check_logical(logical)
-    return (out_features, in_features // GROUP_SIZE)
-
-
-def logical_shape(packed: tuple[int, ...]) -> tuple[int, int]:
-    """Logical ``[out, in]`` of a packed uint8 ``[out, in // 2]`` weight."""
-    if len(packed) != 2:
-        raise ValueError(f"packed NVFP4 weight must be 2-D [out, in/2], got shape {tuple(packed)}")
-    return (int(packed[0]), int(packed[1]) * 2)
-
-
-def _check_logical(shape) -> tuple[int, int]:
-    if len(shape) != 2:
-        raise ValueError(f"NVFP4 weight must be 2-D [out, in], got shape {tuple(shape)}")
-    out_features, in_features = int(shape[0]), int(shape[1])
-    if in_features % GROUP_SIZE:
-        raise ValueError(
-            f"NVFP4 needs in_features divisible by {GROUP_SIZE}, got shape {tuple(shape)}"
-        )
-    return out_features, in_features
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """``vllm-nemotron-spec quantize``: a BF16 DFlash / DSpark draft -> a W4A16 NVFP4 draft in the
 official Nemotron 3.5 layout.
 
-Which modules are packed is the Nemotron 3.5 layout (:func:`vllm_nemotron_spec.tiny.drafts.
+Which modules are packed is the Nemotron 3.5 layout (:func:`vllm_nemotron_spec.checkpoint.layout.
 is_nvfp4_module`): ``fc``, the MLP linears and DSpark's ``markov_head.markov_w2`` are NVFP4; the
 embedding, the attention projections and norms, the norms, the sinks and ``markov_w1`` stay BF16.
 Two engines pack the weights:

@@ -11,14 +11,14 @@ sign of zero, except ~0.1% of block scales one fp8 step apart) is documented and
 
 from __future__ import annotations
 
-from vllm_nemotron_spec.tiny import drafts
+from vllm_nemotron_spec.checkpoint import layout
 
 NAME = "builtin"
 
 
 class BuiltinEngine:
     name = NAME
-    producer_version = drafts.MODELOPT_VERSION  # the ModelOpt export format this packer writes
+    producer_version = layout.MODELOPT_VERSION  # the ModelOpt export format this packer writes
 
     def describe(self) -> str:
         return "builtin (vllm_nemotron_spec.nvfp4.format.quantize)"
@@ -30,7 +30,7 @@ class BuiltinEngine:
         from tqdm import tqdm
 
         from vllm_nemotron_spec.nvfp4 import format as nvfp4
-        from vllm_nemotron_spec.tiny._torch import torch_threads
+        from vllm_nemotron_spec._torch import torch_threads
 
         out: dict[str, torch.Tensor] = {}
         # One intra-op thread: the packer's elementwise ops gain nothing from more, and on a busy

@@ -7,15 +7,15 @@
    use), every tensor checked against the names and logical shapes the spec implies (a ``model.``
    prefix is dropped; a missing, unexpected, non-float or non-finite tensor is an error naming it);
    a draft that already carries a quantization config is refused;
-2. decides what is packed from the Nemotron 3.5 layout, :func:`vllm_nemotron_spec.tiny.drafts.
+2. decides what is packed from the Nemotron 3.5 layout, :func:`vllm_nemotron_spec.checkpoint.layout.
    is_nvfp4_module`: ``fc``, ``layers.*.mlp.{gate,up,down}_proj`` and DSpark's
    ``markov_head.markov_w2``; everything else (embed_tokens, attention projections and norms,
    norms, sinks, markov_w1, an own lm_head) is stored BF16;
 3. packs those modules with the engine (:mod:`.builtin` or :mod:`.modelopt_engine`), from the BF16
    weights;
 4. writes config.json (the source's, plus ``quantization_config`` =
-   :func:`~vllm_nemotron_spec.tiny.drafts.quantization_config`), ``hf_quant_config.json``
-   (:func:`~vllm_nemotron_spec.tiny.drafts.hf_quant_config`), the shards (sorted tensor names,
+   :func:`~vllm_nemotron_spec.checkpoint.layout.quantization_config`), ``hf_quant_config.json``
+   (:func:`~vllm_nemotron_spec.checkpoint.layout.hf_quant_config`), the shards (sorted tensor names,
    ``--max-shard-size``, a progress bar) and every other top-level file of the source (tokenizer,
    generation config, ...), into a temporary directory renamed into place at the end;
 5. checks the result the way ``inspect`` does (config and safetensors headers) and raises on any
@@ -32,6 +32,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.quantize import ENGINES
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -101,9 +102,8 @@ class QuantizeResult:
 
 def nvfp4_modules(spec) -> list[str]:
     """The draft's linear modules that the Nemotron 3.5 layout stores NVFP4, in checkpoint order."""
-    from vllm_nemotron_spec.tiny.drafts import is_nvfp4_module
 
-    return [name for name, _ in spec.linear_modules() if is_nvfp4_module(name)]
+    return [name for name, _ in spec.linear_modules() if layout.is_nvfp4_module(name)]
 
 
 def expected_tensors(spec) -> dict[str, tuple[int, ...]]:
@@ -210,11 +210,10 @@ def _list(names: list[str], limit: int = 10) -> str:
 
 def output_configs(source: SourceDraft, producer_version: str) -> tuple[dict, dict]:
     """(config.json, hf_quant_config.json) of the quantized draft, as ModelOpt exports them."""
-    from vllm_nemotron_spec.tiny import drafts
 
-    quant = drafts.quantization_config(source.kind)
+    quant = layout.quantization_config(source.kind)
     quant["producer"]["version"] = producer_version
-    hf_quant = drafts.hf_quant_config(source.kind)
+    hf_quant = layout.hf_quant_config(source.kind)
     hf_quant["producer"]["version"] = producer_version
     config = dict(source.config)
     config["quantization_config"] = quant

@@ -30,11 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vllm_nemotron_spec.tiny.corpus import CorpusParams
-from vllm_nemotron_spec.tiny.drafts import DFLASH, DSPARK, DraftParams
+from vllm_nemotron_spec.checkpoint.layout import DFLASH, DSPARK
+from vllm_nemotron_spec.tiny.drafts import DraftParams
 from vllm_nemotron_spec.tiny.target import TargetParams
 from vllm_nemotron_spec.tiny.tokenizer import TokenizerParams
 
-BUILDER_SOURCES = ("tiny/*.py", "nvfp4/format.py")
+BUILDER_SOURCES = ("tiny/*.py", "checkpoint/layout.py", "nvfp4/format.py", "_torch.py")
 """The package files whose code decides what the family and the trained drafts contain (globs
 relative to the package). Their content hashes key the caches, so a changed builder never reuses
 an artifact built by older code."""
@@ -209,7 +210,7 @@ def is_complete(outdir: str | Path, seed: int, spec: TinySpec | None = None) -> 
 
 def _build_into(root: Path, seed: int, spec: TinySpec, progress: bool) -> None:
     from vllm_nemotron_spec.tiny import drafts, target, tokenizer
-    from vllm_nemotron_spec.tiny._torch import deterministic_torch
+    from vllm_nemotron_spec._torch import deterministic_torch
     from vllm_nemotron_spec.tiny.corpus import generate_documents
 
     t0 = time.monotonic()

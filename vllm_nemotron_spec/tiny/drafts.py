@@ -25,33 +25,33 @@ checkpoint directory; :func:`read_draft_state_dict` reads one back as dense fp32
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vllm_nemotron_spec.tiny._torch import torch_threads
+from vllm_nemotron_spec.checkpoint.layout import (
+    ARCHITECTURES,
+    CONFIG_FILE,
+    DFLASH,
+    GROUP_SIZE,
+    HF_QUANT_CONFIG_FILE,
+    IGNORED_SUFFIXES,
+    KINDS,
+    NVFP4_SUFFIXES,
+    WEIGHTS_FILE,
+    _check_kind,
+    draft_kind,
+    hf_quant_config,
+    is_nvfp4_module,
+    logical_shapes,
+    quantization_config,
+)
+from vllm_nemotron_spec._torch import torch_threads
 from vllm_nemotron_spec.tiny.tokenizer import BOS_ID, EOS_ID, MASK_ID, copy_tokenizer
 
 if TYPE_CHECKING:
     import torch
 
-DFLASH = "dflash"
-DSPARK = "dspark"
-KINDS = (DFLASH, DSPARK)
-
-ARCHITECTURES = {DFLASH: "DFlashDraftModel", DSPARK: "Qwen3DSparkModel"}
-NVFP4_GROUP_SIZE = 16
-QUANT_ALGO = "W4A16_NVFP4"
-MODELOPT_VERSION = "0.47.0"
-
-CONFIG_FILE = "config.json"
-HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
-WEIGHTS_FILE = "model.safetensors"
-
-# Suffixes of the three tensors of one NVFP4 module (plus the optional, ignored input_scale).
-NVFP4_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
-_IGNORED_SUFFIXES = ("input_scale",)
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,9 @@ class DraftParams:
     def __post_init__(self):
         for name in ("intermediate_size", "markov_rank"):
             value = getattr(self, name)
-            if value % NVFP4_GROUP_SIZE:
+            if value % GROUP_SIZE:
                 raise ValueError(
-                    f"DraftParams.{name} must be a multiple of {NVFP4_GROUP_SIZE} (NVFP4 group), "
+                    f"DraftParams.{name} must be a multiple of {GROUP_SIZE} (NVFP4 group), "
                     f"got {value}"
                 )
         if self.num_attention_heads % self.num_key_value_heads:
@@ -106,58 +106,6 @@ def spread_layer_ids(num_blocks: int, count: int = 6) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 # config.json
 # ---------------------------------------------------------------------------------------------
-
-
-def exclude_modules(kind: str) -> list[str]:
-    """ModelOpt exclusions (wildcards over module names): every module NOT stored as NVFP4."""
-    _check_kind(kind)
-    modules = [
-        "lm_head",
-        "embed_tokens",
-        "hidden_norm",
-        "norm",
-        "layers.*.input_layernorm",
-        "layers.*.post_attention_layernorm",
-        "layers.*.self_attn*",  # q/k/v/o_proj, q_norm, k_norm (and DSpark's attention_sink_bias)
-    ]
-    if kind == DSPARK:
-        modules.append("markov_head.markov_w1")
-    return modules
-
-
-def quantization_config(kind: str) -> dict:
-    """``config.json``'s ``quantization_config`` as ModelOpt exports it for W4A16 NVFP4."""
-    return {
-        "config_groups": {
-            "group_0": {
-                "weights": {
-                    "dynamic": False,
-                    "num_bits": 4,
-                    "type": "float",
-                    "group_size": NVFP4_GROUP_SIZE,
-                },
-                "targets": ["Linear"],
-            }
-        },
-        "group_size": NVFP4_GROUP_SIZE,
-        "ignore": exclude_modules(kind),
-        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
-        "quant_algo": QUANT_ALGO,
-        "quant_method": "modelopt",
-    }
-
-
-def hf_quant_config(kind: str) -> dict:
-    """``hf_quant_config.json`` (ModelOpt's legacy file, read by vLLM's modelopt loader)."""
-    return {
-        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
-        "quantization": {
-            "quant_algo": QUANT_ALGO,
-            "kv_cache_quant_algo": None,
-            "group_size": NVFP4_GROUP_SIZE,
-            "exclude_modules": exclude_modules(kind),
-        },
-    }
 
 
 def draft_config(
@@ -262,93 +210,6 @@ def draft_config(
 # ---------------------------------------------------------------------------------------------
 # tensor schema
 # ---------------------------------------------------------------------------------------------
-
-
-def _dims(config: dict) -> dict:
-    return {
-        "H": config["hidden_size"],
-        "V": config["vocab_size"],
-        "L": config["num_hidden_layers"],
-        "nh": config["num_attention_heads"],
-        "nkv": config["num_key_value_heads"],
-        "hd": config["head_dim"],
-        "I": config["intermediate_size"],
-        "A": config["num_aux_layers"],
-    }
-
-
-def draft_kind(config: dict) -> str:
-    arch = (config.get("architectures") or [None])[0]
-    for kind, name in ARCHITECTURES.items():
-        if arch == name:
-            return kind
-    raise ValueError(f"config architectures {config.get('architectures')} is neither of {ARCHITECTURES}")
-
-
-def logical_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Dense (logical) shape of every tensor of the draft, by checkpoint name (no ``model.`` prefix)."""
-    kind = draft_kind(config)
-    d = _dims(config)
-    H, V, nh, nkv, hd, I = d["H"], d["V"], d["nh"], d["nkv"], d["hd"], d["I"]
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (V, H),
-        "fc.weight": (H, d["A"] * H),
-        "hidden_norm.weight": (H,),
-        "norm.weight": (H,),
-    }
-    for i in range(d["L"]):
-        p = f"layers.{i}"
-        shapes.update(
-            {
-                f"{p}.input_layernorm.weight": (H,),
-                f"{p}.post_attention_layernorm.weight": (H,),
-                f"{p}.self_attn.q_proj.weight": (nh * hd, H),
-                f"{p}.self_attn.k_proj.weight": (nkv * hd, H),
-                f"{p}.self_attn.v_proj.weight": (nkv * hd, H),
-                f"{p}.self_attn.o_proj.weight": (H, nh * hd),
-                f"{p}.self_attn.q_norm.weight": (hd,),
-                f"{p}.self_attn.k_norm.weight": (hd,),
-                f"{p}.mlp.gate_proj.weight": (I, H),
-                f"{p}.mlp.up_proj.weight": (I, H),
-                f"{p}.mlp.down_proj.weight": (H, I),
-            }
-        )
-        if kind == DSPARK:
-            shapes[f"{p}.self_attn.attention_sink_bias"] = (nh,)
-    if kind == DSPARK:
-        R = config["markov_rank"]
-        shapes["markov_head.markov_w1.weight"] = (V, R)
-        shapes["markov_head.markov_w2.weight"] = (V, R)
-    return dict(sorted(shapes.items()))
-
-
-_NVFP4_MODULE = re.compile(r"^(fc|layers\.\d+\.mlp\.(gate|up|down)_proj|markov_head\.markov_w2)$")
-
-
-def is_nvfp4_module(module: str) -> bool:
-    """Whether module ``module`` (e.g. ``layers.0.mlp.up_proj``) is stored as NVFP4."""
-    return bool(_NVFP4_MODULE.match(module))
-
-
-def nvfp4_modules(config: dict) -> list[str]:
-    """Modules stored as NVFP4: fc, the MLP linears and (DSpark) markov_w2."""
-    return [n[: -len(".weight")] for n in logical_shapes(config) if is_nvfp4_module(n[: -len(".weight")])]
-
-
-def checkpoint_layout(config: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Every stored tensor: name -> (dtype name, shape), as in the official checkpoints."""
-    from vllm_nemotron_spec.nvfp4 import format as nvfp4
-
-    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, shape in logical_shapes(config).items():
-        module = name[: -len(".weight")] if name.endswith(".weight") else None
-        if module is not None and is_nvfp4_module(module):
-            layout[f"{module}.weight"] = ("uint8", nvfp4.packed_shape(shape))
-            layout[f"{module}.weight_scale"] = ("float8_e4m3fn", nvfp4.scale_shape(shape))
-            layout[f"{module}.weight_scale_2"] = ("float32", ())
-        else:
-            layout[name] = ("bfloat16", shape)
-    return dict(sorted(layout.items()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -503,9 +364,9 @@ def read_draft_state_dict(path: str | Path) -> dict:
         with torch_threads(1):
             out[f"{module}.weight"] = nvfp4.dequantize(*(raw[n] for n in names), dtype=torch.float32)
         consumed.update(names)
-        consumed.update(f"{module}.{s}" for s in _IGNORED_SUFFIXES)
+        consumed.update(f"{module}.{s}" for s in IGNORED_SUFFIXES)
     for key, value in raw.items():
-        if key in consumed or key.endswith(_IGNORED_SUFFIXES):
+        if key in consumed or key.endswith(IGNORED_SUFFIXES):
             continue
         if not torch.is_floating_point(value):
             raise TypeError(f"tensor {key}: unexpected dtype {value.dtype} outside an NVFP4 module")
@@ -538,11 +399,6 @@ def build_draft(
 
 def draft_params_dict(params: DraftParams) -> dict:
     return asdict(params)
-
-
-def _check_kind(kind: str) -> None:
-    if kind not in KINDS:
-        raise ValueError(f"draft kind must be one of {KINDS}, got {kind!r}")
 
 
 def _write_json(path: Path, obj) -> None:

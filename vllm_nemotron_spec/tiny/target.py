@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from vllm_nemotron_spec.tiny._torch import deterministic_torch, torch_threads
+from vllm_nemotron_spec._torch import deterministic_torch, torch_threads
 from vllm_nemotron_spec.tiny.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 # Official NemotronH pattern characters: M = Mamba-2, E = MoE, * = attention, - = MLP.

@@ -100,6 +100,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.tiny.build import (
     _file_lock,
     _file_table,
@@ -474,7 +475,7 @@ class DraftLayer(nn.Module):
 
 class DFlashDraft(nn.Module):
     """The DFlash backbone with ``state_dict()`` names exactly the checkpoint's
-    (:func:`vllm_nemotron_spec.tiny.drafts.logical_shapes`, without DSpark's Markov head);
+    (:func:`vllm_nemotron_spec.tiny.layout.logical_shapes`, without DSpark's Markov head);
     ``embed_tokens`` is frozen. Dimensions, attention kind and RoPE are read once from the
     :class:`~vllm_nemotron_spec.checkpoint.spec.DraftSpec`; :func:`reference_dflash_forward` runs it."""
 
@@ -945,7 +946,7 @@ def _optimise(
     and ``params.anchors_per_seq`` anchors each per step, then ``evaluate()`` in eval mode."""
     from tqdm.auto import tqdm
 
-    from vllm_nemotron_spec.tiny._torch import deterministic_torch
+    from vllm_nemotron_spec._torch import deterministic_torch
 
     t0 = time.monotonic()
     losses: list[float] = []
@@ -1078,11 +1079,11 @@ def write_unquantized_draft(
         k: v.detach().to("cpu", torch.float32).to(torch.bfloat16).contiguous()
         for k, v in sorted(full.items())
     }
-    save_file(tensors, str(outdir / drafts.WEIGHTS_FILE), metadata={"format": "pt"})
-    config = json.loads((outdir / drafts.CONFIG_FILE).read_text())
+    save_file(tensors, str(outdir / layout.WEIGHTS_FILE), metadata={"format": "pt"})
+    config = json.loads((outdir / layout.CONFIG_FILE).read_text())
     config.pop("quantization_config", None)
-    (outdir / drafts.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (outdir / drafts.HF_QUANT_CONFIG_FILE).unlink(missing_ok=True)
+    (outdir / layout.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (outdir / layout.HF_QUANT_CONFIG_FILE).unlink(missing_ok=True)
     return outdir
 
 
@@ -1197,7 +1198,7 @@ def build_trained_drafts(
 
 
 def _train_into(root: Path, family, seed: int, spec: TrainerSpec, progress: bool) -> dict:
-    from vllm_nemotron_spec.tiny._torch import deterministic_torch
+    from vllm_nemotron_spec._torch import deterministic_torch
     from vllm_nemotron_spec.tiny.drafts import DraftParams, write_draft
 
     t0 = time.monotonic()
@@ -1265,7 +1266,7 @@ def _train_dspark_into(
     root, family, seed, spec, data, data_aux_ids, lm_head, dflash_state, progress
 ) -> dict:
     """Train the family's DSpark draft, write it and its wrong-anchor twin; their stats."""
-    from vllm_nemotron_spec.tiny._torch import deterministic_torch
+    from vllm_nemotron_spec._torch import deterministic_torch
     from vllm_nemotron_spec.tiny.drafts import DraftParams, write_draft
 
     params = spec.dspark
