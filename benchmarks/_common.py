@@ -201,16 +201,19 @@ class Snapshot:
     generation_tokens: float = 0.0
     spec: SpecCounters | None = None
     cache_config: dict = field(default_factory=dict)
+    histograms: dict = field(default_factory=dict)  # name -> [sum, count]
 
     def minus(self, before: Snapshot) -> Snapshot:
         spec = None
         if self.spec is not None:
             spec = self.spec.minus(before.spec or SpecCounters())
+        hist = {k: [v[0] - before.histograms.get(k, [0, 0])[0], v[1] - before.histograms.get(k, [0, 0])[1]]
+                for k, v in self.histograms.items()}
         return Snapshot(self.prefix_queries - before.prefix_queries,
                         self.prefix_hits - before.prefix_hits,
                         self.preemptions - before.preemptions,
                         self.prompt_tokens - before.prompt_tokens,
-                        self.generation_tokens - before.generation_tokens, spec, self.cache_config)
+                        self.generation_tokens - before.generation_tokens, spec, self.cache_config, hist)
 
     @property
     def hit_rate(self) -> float | None:
@@ -221,6 +224,10 @@ class Snapshot:
                "prefix_hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
                "preemptions": int(self.preemptions), "prompt_tokens": int(self.prompt_tokens),
                "generation_tokens": int(self.generation_tokens)}
+        for name, key in HISTOGRAMS.items():
+            total, count = self.histograms.get(name, (0, 0))
+            if count:
+                out[key] = round(total / count * 1e3, 3)
         if self.spec is not None:
             mal = self.spec.mean_acceptance_length
             out.update(num_drafts=self.spec.num_drafts, num_draft_tokens=self.spec.num_draft_tokens,
@@ -237,6 +244,12 @@ _COUNTERS = {
     "vllm:prompt_tokens": "prompt_tokens",
     "vllm:generation_tokens": "generation_tokens",
 }
+HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds": "server_ttft_ms",
+    "vllm:request_time_per_output_token_seconds": "server_tpot_ms",
+    "vllm:inter_token_latency_seconds": "server_itl_ms",
+}
+"""Server-side latency histograms (their mean over a delta: _sum / _count)."""
 CACHE_INFO_KEYS = ("block_size", "cache_dtype", "enable_prefix_caching", "mamba_cache_mode",
                    "num_gpu_blocks", "mamba_block_size")
 
@@ -250,6 +263,9 @@ def parse_snapshot(text: str) -> Snapshot:
         base = name.removesuffix("_total")
         if base in _COUNTERS:
             setattr(snap, _COUNTERS[base], getattr(snap, _COUNTERS[base]) + value)
+        elif name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in HISTOGRAMS:
+            slot = snap.histograms.setdefault(name.rsplit("_", 1)[0], [0.0, 0.0])
+            slot[0 if name.endswith("_sum") else 1] += value
         elif base == "vllm:cache_config_info":
             snap.cache_config = {k: labels[k] for k in CACHE_INFO_KEYS if k in labels}
     snap.spec = spec_counters_from_metrics(text)
@@ -267,6 +283,15 @@ def settled_snapshot(url: str, settle_s: float = 3.0) -> Snapshot:
     """A snapshot once two reads agree (the server records a request's stats right after its
     last tokens went out)."""
     return serving.read_until_settled(lambda: snapshot(url), settle_s, 0.25)
+
+
+def start_error(exc: serving.ServerStartError) -> str:
+    """The one-line reason a server did not start: ``serving.startup_error``'s line, else the
+    log's last line (the passthrough's ``vllm serve: error: ...``)."""
+    if exc.error:
+        return exc.error
+    lines = [ln.strip() for ln in (exc.log or "").splitlines() if ln.strip()]
+    return lines[-1][-500:] if lines else str(exc)
 
 
 def stop_all(servers) -> None:

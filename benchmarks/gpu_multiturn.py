@@ -23,10 +23,11 @@ would already be cached), then that conversation's history: ``--user-tokens`` ne
 and the previous answers (``--output-tokens`` each, greedy, ignore_eos). Defaults: 8192-token
 prefix, 3 turns of 256 user + 128 output tokens: ~90% or more of each prompt is reusable.
 Reported per row and concurrency (median repeat by output tok/s, range of all repeats, all in
-one engine): output tok/s (output tokens / wall time of the repeat), TTFT and TPOT (client
-side, streaming: (last - first token time) / (tokens - 1)), mean acceptance length and the
-prefix-cache hit rate (``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``, tokens, timed
-part only), preemptions.
+one engine): output tok/s (output tokens / wall time of the repeat); TTFT and TPOT, client side
+(streaming: (last - first token time) / (tokens - 1)) and the server's own means from its
+/metrics histograms (under load the API server may merge several steps' tokens into one chunk);
+mean acceptance length; the prefix-cache hit rate (``vllm:prefix_cache_hits`` /
+``vllm:prefix_cache_queries``, tokens, timed part only); preemptions.
 
 Time per row on the H200, depth 30 (estimates: start-up ~100-150 s with CUDA graphs, model
 build ~60 s once; each repeat ~5-30 s, most at concurrency 16 and when prefixes miss): ~3-5
@@ -189,7 +190,8 @@ def run_row(args, spec, models: dict, vocab: int, out: Path) -> dict:
         for conc in args.concurrency:
             reps = [run_repeat(server.url, model, args, vocab, conc, r) for r in range(args.repeats)]
             row = gl.median_repeat(reps)
-            for key in ("ttft_ms", "tpot_ms", "prefix_hit_rate", "mean_acceptance_length"):
+            for key in ("ttft_ms", "tpot_ms", "prefix_hit_rate", "mean_acceptance_length", "server_ttft_ms",
+                        "server_tpot_ms"):
                 row[f"{key}_all"] = [r.get(key) for r in reps]
             entry["concurrency"].append(row)
             print(f"    {spec.name} c={conc}: {row['output_tok_s']} tok/s, TTFT {row['ttft_ms']} ms, "
@@ -199,7 +201,8 @@ def run_row(args, spec, models: dict, vocab: int, out: Path) -> dict:
                 raise serving.CompletionError(f"concurrency {conc}: {reps[0]['errors'] or reps[-1]['errors']}")
         entry["status"] = "ok"
     except serving.ServerStartError as exc:
-        entry.update(status="error", error=f"server did not start: {exc.error or exc}", log_tail=exc.log[-3000:])
+        entry.update(status="error", error=f"server did not start: {_common.start_error(exc)}",
+                     log_tail=exc.log[-3000:])
     except Exception as exc:  # noqa: BLE001 - recorded, the next row runs
         entry.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-3000:])
     finally:
@@ -228,8 +231,8 @@ def markdown(result: dict) -> str:
     for k, v in result["setup"].items():
         lines.append(f"- {k}: {v}")
     lines += ["", ("| row | conc | output tok/s [range] | x plain | x upstream | TTFT ms | TPOT ms "
-                   "| acceptance (measured / expected) | prefix hit rate | preemptions | startup s | status |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                   "| server TTFT / TPOT ms | acceptance (measured / expected) | prefix hit rate | preemptions | startup s | status |"),
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     by_name = {r["name"]: r for r in result["runs"]}
 
     def tps(name, conc):
@@ -241,7 +244,7 @@ def markdown(result: dict) -> str:
     for r in result["runs"]:
         if not r.get("concurrency"):
             err = str(r.get("error") or r.get("status"))[:200].replace("|", "/").replace("\n", " ")
-            lines.append(f"| {r['name']} | | | | | | | | | | {r.get('startup_s', '')} | {err} |")
+            lines.append(f"| {r['name']} | | | | | | | | | | | {r.get('startup_s', '')} | {err} |")
             continue
         for c in r["concurrency"]:
             t = c.get("output_tok_s")
@@ -255,6 +258,7 @@ def markdown(result: dict) -> str:
                 f"{_f(t / base if t and base else None, '{:.2f}')} | {_f(t / up if t and up else None, '{:.2f}')} | "
                 f"{_f(c.get('ttft_ms'), '{:.1f}')}{_range(c.get('ttft_ms_all'))} | "
                 f"{_f(c.get('tpot_ms'), '{:.2f}')}{_range(c.get('tpot_ms_all'), '{:.2f}')} | "
+                f"{_f(c.get('server_ttft_ms'), '{:.1f}')} / {_f(c.get('server_tpot_ms'), '{:.2f}')} | "
                 f"{_f(acc, '{:.2f}', '-')}{_f(exp, ' / {:.2f}')} | "
                 f"{_f(hit, '{:.3f}', '-')}{_range(c.get('prefix_hit_rate_all'), '{:.3f}')} | "
                 f"{c.get('preemptions', '')} | {r.get('startup_s', '')} | {r['status']} |")

@@ -194,7 +194,7 @@ def run_workload(server: serving.Server, workload: Workload, *, logprobs: bool,
             for c, (ids, _) in enumerate(answers):
                 histories[c] += ids
             turns.append({
-                "turn": t + 1, "prompt_tokens": [len(p) for p in prompts], "seconds": round(seconds, 3),
+                "turn": t + 1, "prompt_lengths": [len(p) for p in prompts], "seconds": round(seconds, 3),
                 "outputs": [ids for ids, _ in answers], "top2_gaps": [g for _, g in answers] if logprobs else None,
                 **delta.to_json(),
             })
@@ -286,7 +286,8 @@ def start_group(args, configs: list[Config], drafts: dict, target: str, out: Pat
                                       "status": "started", "startup_s": e["startup_s"]})
             except serving.ServerStartError as exc:
                 e["attempts"].append({"draft_attention": "FLASHINFER" if e["flashinfer_draft"] else "default",
-                                      "status": "failed", "error": exc.error or str(exc), "log_tail": exc.log[-2500:]})
+                                      "status": "failed", "error": _common.start_error(exc),
+                                      "log_tail": exc.log[-2500:]})
                 if e["flashinfer_draft"] and args.dflash_attention == "auto":
                     e["flashinfer_draft"], e["retry"] = False, True
         if not any(e.get("retry") for e in entries.values()):

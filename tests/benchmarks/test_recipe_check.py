@@ -89,10 +89,43 @@ def test_recipe_check_runs_on_cpu(tiny_family, tmp_path):
     assert rows["plain@base"]["status"] == "ok" and rows["dspark@base"]["status"] == "ok"
     assert rows["dspark@base"]["comparison"]["exact"]
     turns = rows["dspark@base"]["turns"]
-    assert [t["prompt_tokens"] for t in turns] == [[150, 150], [150 + 12 + 60] * 2]
+    assert [t["prompt_lengths"] for t in turns] == [[150, 150], [150 + 12 + 60] * 2]
+    assert [t["prompt_tokens"] for t in turns] == [300, 2 * (150 + 12 + 60)]  # the server counted them
     assert all(len(o) == 12 for t in turns for o in t["outputs"])
     drafts = sum(t["num_drafts"] for t in turns)
     accepted = sum(t["num_accepted_tokens"] for t in turns)
     assert drafts > 0 and 1 + accepted / drafts > 1.5
     assert result["verdict"].startswith("RECIPE CHECK: PASS")
     assert (out / "recipe_check.md").read_text().count("| dspark@base | ok |") == 1
+
+
+METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1200.0
+vllm:prefix_cache_queries_created{engine="0",model_name="m"} 1.7e9
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 768.0
+vllm:num_preemptions_total{engine="0",model_name="m"} 2.0
+vllm:cache_config_info{block_size="128",cache_dtype="fp8",enable_prefix_caching="True",engine="0",mamba_cache_mode="align"} 1.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.5
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 1.0
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 15.0
+"""
+
+
+def test_metrics_snapshot_and_delta():
+    common = sys.modules["_common"]  # imported by gpu_recipe_check
+    after = common.parse_snapshot(METRICS)
+    assert (after.prefix_queries, after.prefix_hits, after.preemptions) == (1200, 768, 2)
+    assert after.cache_config == {"block_size": "128", "cache_dtype": "fp8", "enable_prefix_caching": "True",
+                                  "mamba_cache_mode": "align"}
+    before = common.parse_snapshot(METRICS.replace("1200.0", "200.0").replace("768.0", "268.0")
+                                   .replace("_sum{engine=\"0\",model_name=\"m\"} 0.5", "_sum{engine=\"0\",model_name=\"m\"} 0.1")
+                                   .replace("_count{engine=\"0\",model_name=\"m\"} 4.0", "_count{engine=\"0\",model_name=\"m\"} 2.0")
+                                   .replace("num_drafts_total{engine=\"0\",model_name=\"m\"} 10.0",
+                                            "num_drafts_total{engine=\"0\",model_name=\"m\"} 4.0"))
+    d = after.minus(before).to_json()
+    assert d["prefix_cache_queries"] == 1000 and d["prefix_cache_hits"] == 500 and d["prefix_hit_rate"] == 0.5
+    assert d["server_ttft_ms"] == 200.0  # (0.5 - 0.1) s over 2 requests
+    assert d["num_drafts"] == 6 and d["mean_acceptance_length"] == 1 + 0 / 6  # accepted unchanged: 15 - 15
