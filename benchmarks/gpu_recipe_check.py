@@ -343,6 +343,10 @@ def verdict(result: dict) -> tuple[str, bool]:
         c = r.get("comparison")
         if not r["plugin"] and c:
             notes.append(f"{r['name']}: exact={c['exact']} hits=plain:{c['prefix_hits_equal_plain']}")
+    off = [r["name"] for r in result["configs"] if "--enable-prefix-caching" in FLAG_SETS.get(r.get("flags"), ())
+           and (r.get("cache_config") or {}).get("enable_prefix_caching") == "False"]
+    if off:  # hits then compare 0 with 0: say so
+        notes.append(f"prefix caching asked for but OFF in the engine for {', '.join(off)}")
     exact = sum(1 for r in judged if (r.get("comparison") or {}).get("exact"))
     ok = not bad and exact > 0
     text = (f"RECIPE CHECK: {'PASS' if ok else 'FAIL'} - {exact}/{len(judged)} plugin configurations exact "

@@ -48,6 +48,9 @@ def test_verdict_judges_plugin_rows_only():
              "comparison": dict(ok, prefix_hits_equal_plain=False)}]
     text, passed = rc.verdict({"configs": rows})
     assert passed and text.startswith("RECIPE CHECK: PASS - 1/1") and "upstream" in text
+    rows[0].update(flags="prefix", cache_config={"enable_prefix_caching": "False"})
+    text, passed = rc.verdict({"configs": rows})
+    assert passed and "prefix caching asked for but OFF in the engine for plain@prefix" in text
     rows[1]["comparison"] = dict(ok, exact=False, num_mismatching_outputs=2)
     text, passed = rc.verdict({"configs": rows})
     assert not passed and "dspark@prefix NOT EXACT" in text
