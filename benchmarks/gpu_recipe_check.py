@@ -304,8 +304,8 @@ def markdown(result: dict) -> str:
     for k, v in result["setup"].items():
         lines.append(f"- {k}: {v}")
     lines += ["", ("| config | status | draft attention | startup s | exact vs plain | mismatches (first) "
-                   "| prefix hits / queries per turn | hits = plain | acceptance per turn |"),
-              "|---|---|---|---|---|---|---|---|---|"]
+                   "| prefix hits / queries per turn | hits = plain | acceptance per turn | engine cache |"),
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["configs"]:
         turns = r.get("turns") or []
         hits = " ; ".join(f"{t['prefix_cache_hits']}/{t['prefix_cache_queries']}" for t in turns)
@@ -316,11 +316,14 @@ def markdown(result: dict) -> str:
         first_s = "" if not first else (f"{cmp_['num_mismatching_outputs']} (turn {first['turn']} conv "
                                         f"{first['conversation']} pos {first['position']}, gap "
                                         f"{first['plain_top2_logprob_gap']})")
+        cc = r.get("cache_config") or {}
+        cache_s = ", ".join(f"{k} {cc[k]}" for k in ("block_size", "enable_prefix_caching", "mamba_cache_mode",
+                                                     "cache_dtype") if k in cc)
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {str(r.get('error', ''))[:160]}"
-        lines.append(f"| {r['name']} | {status.replace('|', '/')} | {r.get('draft_attention', '')} | "
+        lines.append(f"| {r['name']} | {status.replace('|', '/')} | {r.get('draft_attention') or ''} | "
                      f"{r.get('startup_s', '')} | {cmp_.get('exact', '') if r['variant'] != 'plain' else 'reference'} | "
                      f"{first_s} | {hits} | {cmp_.get('prefix_hits_equal_plain', '') if r['variant'] != 'plain' else ''} "
-                     f"| {acc} |")
+                     f"| {acc} | {cache_s} |")
     lines += ["", f"**{result['verdict']}**", ""]
     return "\n".join(lines)
 
