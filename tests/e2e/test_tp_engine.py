@@ -153,7 +153,7 @@ def test_tp2_markov_bias_covers_the_whole_vocabulary(results, trained):
     """The Markov bias the DSpark proposer adds on every rank is over the whole vocabulary and
     equals ``markov_w2(markov_w1[prev])`` computed from the full checkpoint tensors. vLLM builds
     ``markov_w2`` as a ParallelLMHead with ``disable_tp=True``: every rank holds all its rows (the
-    vocab-sharded form is covered by tests/nvfp4/test_tensor_parallel.py)."""
+    vocab-sharded form is covered by tests/nvfp4/test_nvfp4_tp_shards.py)."""
     import torch
     from safetensors.torch import load_file
 
