@@ -116,7 +116,11 @@ def _one_line(text: str) -> str:
 def run(args) -> int:
     import sys
 
-    alias_vllm_distribution()
+    try:
+        alias_vllm_distribution()
+    except RuntimeError as exc:  # vLLM is not installed
+        print(f"vllm-nemotron-spec vllm: {exc}", file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *args.extra_args]
