@@ -50,39 +50,44 @@ def check_output_dir(
     *,
     recognised: Callable[[Path], set[str] | None],
     sources: Iterable[str | Path] = (),
-    option: str = "--force",
+    option: str | None = None,
 ) -> Path:
     """Check that ``dest`` may become (or be replaced by) a new output directory; return it
     resolved. Raise :class:`OutputError` when it is a file or a symbolic link, when it is, or
     contains, ``/``, the home directory, the working directory or one of ``sources``, or when it
     is not empty and holds a file that ``recognised(dest)`` (relative POSIX paths the tool wrote
-    there, or None: nothing recognised) does not list. ``option`` is named in the messages."""
+    there, or None: nothing recognised) does not list. ``option`` (the command's ``--force``) is
+    named in the messages."""
     given = Path(dest).expanduser()
     if given.is_symlink():
         raise OutputError(f"{given} is a symbolic link; refusing to replace it: give the real "
                           f"directory or a new path")
     path = given.resolve()
-    for protected, what in _protected(sources):
-        if path == protected or path in protected.parents:
-            where = "is" if path == protected else f"contains {protected},"
-            raise OutputError(f"{path} {where} {what}; refusing to write there: choose a new "
-                              f"or empty directory")
+    protected = _protected(sources)
+    for place, what in protected:
+        if path == place:
+            raise OutputError(f"{path} is {what}; refusing to write there: choose a new or "
+                              f"empty directory")
+    for place, what in protected:
+        if path in place.parents:
+            raise OutputError(f"{path} contains {place}, {what}; refusing to write there: "
+                              f"choose a new or empty directory")
     if not path.exists():
         return path
     if not path.is_dir():
         raise OutputError(f"{path} exists and is not a directory; refusing to replace it")
     if not any(path.iterdir()):
         return path
+    even = f", even with {option}" if option else ""
     known = recognised(path)
     if known is None:
         raise OutputError(f"{path} is not empty and was not written by this command (no "
-                          f"manifest); refusing to replace it, even with {option}: choose a new "
-                          f"or empty directory")
+                          f"manifest); refusing to replace it{even}: choose a new or empty "
+                          f"directory")
     foreign = first_foreign_file(path, known)
     if foreign is not None:
         raise OutputError(f"{path} holds {foreign}, which this command did not write; refusing "
-                          f"to replace it, even with {option}: move that file or choose a new "
-                          f"directory")
+                          f"to replace it{even}: move that file or choose a new directory")
     return path
 
 

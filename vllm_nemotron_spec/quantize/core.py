@@ -276,7 +276,8 @@ def quantize_draft(
     max_bytes = parse_size(max_shard_size)
     source_path = Path(source_path).expanduser()
     try:
-        outdir = check_output_dir(outdir, recognised=manifest_files(), sources=[source_path])
+        outdir = check_output_dir(outdir, recognised=manifest_files(), sources=[source_path],
+                                  option="--force")
     except OutputError as exc:
         raise QuantizeError(str(exc)) from None
     if not force and outdir.exists() and any(outdir.iterdir()):

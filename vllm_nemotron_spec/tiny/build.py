@@ -142,7 +142,7 @@ def build_tiny_family(
     seed = int(seed)
     if not force and is_complete(outdir, seed, spec):
         return TinyFamily.at(outdir)
-    check_family_dir(outdir)
+    check_family_dir(outdir, option="--force" if force else None)
     outdir.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(outdir.parent / f".{outdir.name}.lock"):
         # Another process may have built it while we waited for the lock.
@@ -166,11 +166,11 @@ def _make_readable(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def check_family_dir(outdir: str | Path) -> Path:
+def check_family_dir(outdir: str | Path, option: str | None = None) -> Path:
     """``outdir`` resolved, if a family may be built there: new, empty, or a (possibly stale)
     family holding only the files its manifest lists; else :class:`~vllm_nemotron_spec.outputs.
     OutputError` (one line naming the path and why)."""
-    return check_output_dir(outdir, recognised=manifest_files(MANIFEST))
+    return check_output_dir(outdir, recognised=manifest_files(MANIFEST), option=option)
 
 
 def is_complete(outdir: str | Path, seed: int, spec: TinySpec | None = None) -> bool:
