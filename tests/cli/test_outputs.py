@@ -195,7 +195,7 @@ def test_make_tiny_refuses_in_one_line(tmp_path, where):
         why = {"foreign": "was not written by this command", "cwd": "is the working directory",
                "home": "is the home directory", "parent-of-cwd": "is the home directory"}[where]
         line = assert_one_line_refusal(result, "vllm-nemotron-spec make-tiny: ", why)
-        assert (", even with --force" in line) == (extra and where == "foreign")
+        assert (", even with --force" in line) == (bool(extra) and where == "foreign")
     assert snapshot(tmp_path) == before
 
 
