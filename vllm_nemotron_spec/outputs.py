@@ -161,7 +161,7 @@ def atomic_output_dir(dest: str | Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-FILE_SIGNATURES = {".png": b"\x89PNG\r\n\x1a\n", ".pdf": b"%PDF", ".json": b"{"}
+FILE_SIGNATURES = {".png": b"\x89PNG\r\n\x1a\n", ".pdf": b"%PDF"}
 """What a file this project writes starts with, by suffix: an existing destination file is
 replaced only when it starts the same way."""
 

@@ -35,7 +35,7 @@ def snapshot(root: Path) -> dict[str, str]:
 def run_cli(*argv, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "vllm_nemotron_spec.cli.main", *map(str, argv)], cwd=cwd,
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
     )
 
@@ -163,13 +163,14 @@ def test_quantize_killed_half_way_leaves_the_old_output(parent, tmp_path, sig):
     result = subprocess.run(
         [sys.executable, "-c", KILL_MIDWAY.format(sig=sig), "quantize", str(src), str(out),
          "--quiet", "--force"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert snapshot(out) == before
     if sig == "SIGTERM":  # handled: one line, the temporary directory removed
         assert result.returncode == 130, result.stderr
-        assert result.stderr == f"vllm-nemotron-spec quantize: terminated (signal {int(signal.SIGTERM)})\n"
+        assert result.stderr == ("vllm-nemotron-spec quantize: terminated (signal "
+                                 f"{int(signal.SIGTERM)})\n")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "parent"]
     else:  # not catchable: only the hidden temporary sibling is left behind
         assert result.returncode == -signal.SIGKILL
@@ -345,7 +346,8 @@ def test_vllm_passthrough_without_vllm_is_one_line(monkeypatch, capsys):
     from vllm_nemotron_spec.cli import vllm as passthrough
 
     def missing():
-        raise RuntimeError("vLLM is not installed: pip install 'vllm-nemotron-spec[cpu]' or '[gpu]'")
+        raise RuntimeError(
+            "vLLM is not installed: pip install 'vllm-nemotron-spec[cpu]' or '[gpu]'")
 
     monkeypatch.setattr(passthrough, "alias_vllm_distribution", missing)
     assert main(["vllm", "serve", "m"]) == 2
