@@ -918,9 +918,11 @@ def plot_report(report: dict, path: str | Path) -> Path:
         f"{'' if not report['temperature'] else ', temperature ' + str(report['temperature'])}",
         fontsize=10,
     )
+    from vllm_nemotron_spec.outputs import atomic_output_file
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    with atomic_output_file(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
     return path
 

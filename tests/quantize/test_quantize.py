@@ -229,14 +229,17 @@ def test_refuses_a_bad_config(bf16_dflash, tmp_path):
 
 def test_out_must_be_new_or_forced(bf16_dflash, tmp_path):
     out = tmp_path / "q"
-    out.mkdir()
-    (out / "old.txt").write_text("x")
+    quantize_draft(bf16_dflash, out, progress=False)
     with pytest.raises(QuantizeError, match="exists and is not empty; pass --force"):
         quantize_draft(bf16_dflash, out, progress=False)
-    quantize_draft(bf16_dflash, out, force=True, progress=False)
-    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
-    assert not list(tmp_path.glob(".q.tmp-*"))  # the temporary directory is gone
-    with pytest.raises(QuantizeError, match="is the source draft"):
+    quantize_draft(bf16_dflash, out, force=True, progress=False)  # its own output: replaced
+    assert (out / "model.safetensors").is_file()
+    assert not list(tmp_path.glob(".q.*"))  # the temporary and the old directory are gone
+    (out / "old.txt").write_text("x")  # not written by quantize: never deleted
+    with pytest.raises(QuantizeError, match="holds old.txt, which this command did not write"):
+        quantize_draft(bf16_dflash, out, force=True, progress=False)
+    assert (out / "old.txt").read_text() == "x"
+    with pytest.raises(QuantizeError, match="is the source; refusing"):
         quantize_draft(bf16_dflash, bf16_dflash, force=True, progress=False)
 
 

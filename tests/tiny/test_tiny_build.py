@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_nemotron_spec.outputs import OutputError
 from vllm_nemotron_spec.tiny import build
 from vllm_nemotron_spec.tiny.build import TinyFamily, TinySpec, build_tiny_family
 from vllm_nemotron_spec.tiny.corpus import CorpusParams
@@ -154,11 +155,15 @@ def test_rebuild_when_incomplete_or_forced(quick_builds, tmp_path, monkeypatch):
     weights.write_bytes(original[:-1])  # truncated file: size differs from the manifest
     assert not build.is_complete(root, 0, QUICK)
 
-    marker = root / "target" / "stale-file"
+    marker = root / "target" / "notes.txt"  # a file the manifest does not list: never deleted
     marker.write_text("x")
+    with pytest.raises(OutputError, match="holds target/notes.txt, which this command did not"):
+        build_tiny_family(root, seed=0, spec=QUICK, force=True, progress=False)
+    assert marker.read_text() == "x" and calls == [0]
+    marker.unlink()
     build_tiny_family(root, seed=0, spec=QUICK, force=True, progress=False)
     assert calls == [0, 0]
-    assert not marker.exists() and weights.read_bytes() == original
+    assert weights.read_bytes() == original
     assert not list(tmp_path.glob(".fam.*")) or all(p.suffix == ".lock" for p in tmp_path.glob(".fam.*"))
 
 
@@ -166,9 +171,9 @@ def test_refuses_to_replace_a_foreign_directory(tmp_path):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not a tiny family"):
+    with pytest.raises(OutputError, match="is not empty and was not written by this command"):
         build_tiny_family(foreign, seed=0, spec=QUICK, progress=False)
-    with pytest.raises(FileExistsError, match="not a tiny family"):
+    with pytest.raises(OutputError, match="not written by this command .*, even with --force"):
         build_tiny_family(foreign, seed=0, spec=QUICK, force=True, progress=False)
     assert (foreign / "notes.txt").read_text() == "keep me"
 

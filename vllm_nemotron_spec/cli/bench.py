@@ -209,8 +209,11 @@ def _server_version(server) -> str | None:
 
 def run(args) -> int:
     from vllm_nemotron_spec.bench import BenchError, format_report, plot_report
+    from vllm_nemotron_spec.outputs import check_output_file
     from vllm_nemotron_spec.prompts import PromptFileError
 
+    if args.plot:
+        check_output_file(args.plot)  # refused before any engine starts
     try:
         report = build_report(args)
     except (BenchError, PromptFileError) as exc:

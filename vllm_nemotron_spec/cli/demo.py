@@ -54,10 +54,8 @@ def parse_methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise SystemExit(
-            f"vllm-nemotron-spec demo: unknown method(s) {', '.join(unknown)}; "
-            f"choose from {', '.join(METHODS)}"
-        )
+        raise ValueError(f"unknown method(s) {', '.join(unknown)} in --methods; choose from "
+                         f"{', '.join(METHODS)}")
     return ["plain"] + [m for m in methods if m != "plain"]
 
 
@@ -67,8 +65,11 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
     import os
 
     from vllm_nemotron_spec.runs import set_cpu_engine_defaults
+    from vllm_nemotron_spec.tiny.build import build_tiny_family, ensure_tiny_family
 
     set_cpu_engine_defaults()
+    # The family first: a --family-dir that cannot be written is refused before vLLM loads.
+    family = build_tiny_family(family_dir, seed=seed) if family_dir else ensure_tiny_family(seed=seed)
     # vLLM logs to stdout by default; keep stdout for the report (and --json parseable).
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     import vllm
@@ -77,10 +78,8 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
     from vllm_nemotron_spec.checkpoint.spec import DraftSpec
     from vllm_nemotron_spec.bench import family_draft
     from vllm_nemotron_spec.runs import generate, make_llm, release
-    from vllm_nemotron_spec.tiny.build import build_tiny_family, ensure_tiny_family
     from vllm_nemotron_spec.tiny.corpus import sample_prompts
 
-    family = build_tiny_family(family_dir, seed=seed) if family_dir else ensure_tiny_family(seed=seed)
     prompts = (sample_prompts() * num_prompts)[:num_prompts]
     engine_kwargs = {}
     if current_platform.is_cpu():
@@ -148,8 +147,17 @@ def format_report(report: dict) -> str:
 
 
 def run(args) -> int:
+    try:
+        methods = parse_methods(args.methods)
+        for name in ("num_prompts", "max_tokens", "num_speculative_tokens"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    except ValueError as exc:
+        print(f"vllm-nemotron-spec demo: {exc}", file=sys.stderr)
+        return 2
     report = run_demo(
-        parse_methods(args.methods), args.num_prompts, args.max_tokens, seed=args.seed,
+        methods, args.num_prompts, args.max_tokens, seed=args.seed,
         family_dir=args.family_dir, num_speculative_tokens=args.num_speculative_tokens,
     )
     if args.json:

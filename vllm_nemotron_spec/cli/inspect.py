@@ -46,6 +46,10 @@ def run(args) -> int:
     try:
         report = inspect_checkpoint(args.draft, target=args.target,
                                     num_speculative_tokens=args.num_speculative_tokens)
+        if not args.json and "checkpoint" not in report and len(report["problems"]) == 1:
+            # Nothing could be read (e.g. no such draft): one line, no report.
+            print(f"vllm-nemotron-spec inspect: {report['problems'][0]}", file=sys.stderr)
+            return 2
         if args.json:
             print(json.dumps(_jsonable(report), indent=2, allow_nan=False))
         else:

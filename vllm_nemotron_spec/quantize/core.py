@@ -17,7 +17,9 @@
    :func:`~vllm_nemotron_spec.checkpoint.layout.quantization_config`), ``hf_quant_config.json``
    (:func:`~vllm_nemotron_spec.checkpoint.layout.hf_quant_config`), the shards (sorted tensor names,
    ``--max-shard-size``, a progress bar) and every other top-level file of the source (tokenizer,
-   generation config, ...), into a temporary directory renamed into place at the end;
+   generation config, ...) and the list of written files (``outputs.OUTPUT_MANIFEST``, which is
+   how a later ``force`` recognises what it may replace), into a temporary directory moved into
+   place at the end (:mod:`vllm_nemotron_spec.outputs`);
 5. checks the result the way ``inspect`` does (config and safetensors headers) and raises on any
    problem.
 """
@@ -28,7 +30,6 @@ import json
 import math
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -262,16 +263,24 @@ def quantize_draft(
     """Quantize the BF16 draft at ``source_path`` into ``outdir`` (module doc)."""
     import torch
 
+    from vllm_nemotron_spec.outputs import (
+        OutputError,
+        atomic_output_dir,
+        check_output_dir,
+        manifest_files,
+        write_manifest,
+    )
     from vllm_nemotron_spec.quantize.safetensors_io import parse_size, write_shards
 
     max_bytes = parse_size(max_shard_size)
     source_path = Path(source_path).expanduser()
-    outdir = Path(outdir).expanduser()
-    if outdir.exists():
-        if outdir.resolve() == source_path.resolve():
-            raise QuantizeError(f"OUT {outdir} is the source draft; choose another directory")
-        if not force and (not outdir.is_dir() or any(outdir.iterdir())):
-            raise QuantizeError(f"{outdir} exists and is not empty; pass --force to replace it")
+    try:
+        outdir = check_output_dir(outdir, recognised=manifest_files(), sources=[source_path],
+                                  option="--force")
+    except OutputError as exc:
+        raise QuantizeError(str(exc)) from None
+    if not force and outdir.exists() and any(outdir.iterdir()):
+        raise QuantizeError(f"{outdir} exists and is not empty; pass --force to replace it")
     eng = make_engine(engine, modelopt_python)
     if hasattr(eng, "check_available"):
         eng.check_available()
@@ -293,10 +302,7 @@ def quantize_draft(
     config, hf_quant = output_configs(source, eng.producer_version)
     check_configs_match_layout(config, modules, spec)
 
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.tmp-", dir=outdir.parent))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700; OUT gets the usual permissions
-    try:
+    with atomic_output_dir(outdir) as tmp:
         files = write_shards(tensors, tmp, max_shard_bytes=max_bytes, metadata={"format": "pt"},
                              progress=progress)
         _write_json(tmp / "config.json", config)
@@ -304,12 +310,7 @@ def quantize_draft(
         for f in source.extra_files:
             shutil.copy2(f, tmp / f.name)
         _check_written(tmp)
-        if outdir.exists():
-            shutil.rmtree(outdir) if outdir.is_dir() else outdir.unlink()
-        tmp.rename(outdir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_manifest(tmp, "quantize")
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     source_bytes = sum(t.numel() * t.element_size() for t in bf16.values())
     result = QuantizeResult(
@@ -336,14 +337,6 @@ def _check_written(directory: Path) -> None:
     if report["problems"]:
         raise AssertionError("the written checkpoint fails inspect:\n" + "\n".join(
             f"  - {p}" for p in report["problems"]))
-
-
-def _umask() -> int:
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _write_json(path: Path, obj) -> None:

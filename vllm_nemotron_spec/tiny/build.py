@@ -10,9 +10,10 @@
 
 Everything derives from the seed (corpus, tokenizer, target init and training, draft init), so
 the same seed gives byte-identical files on the same machine type. A complete family with the
-same seed, builder code and parameter hash is reused without rebuilding. Builds go to a
-temporary sibling directory that is renamed into place, under a file lock, so concurrent test
-sessions sharing the cache neither race nor see half-written families.
+same seed, builder code and parameter hash is reused without rebuilding; a stale one is replaced
+only when it holds nothing but the files of its manifest. Builds go to a temporary sibling
+directory moved into place (:mod:`vllm_nemotron_spec.outputs`), under a file lock, so concurrent
+test sessions sharing the cache neither race nor see half-written families.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ import functools
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vllm_nemotron_spec.outputs import atomic_output_dir, check_output_dir, manifest_files
 from vllm_nemotron_spec.tiny.corpus import CorpusParams
 from vllm_nemotron_spec.checkpoint.layout import DFLASH, DSPARK
 from vllm_nemotron_spec.tiny.drafts import DraftParams
@@ -143,20 +143,15 @@ def build_tiny_family(
     seed = int(seed)
     if not force and is_complete(outdir, seed, spec):
         return TinyFamily.at(outdir)
-    _check_replaceable(outdir)
+    check_family_dir(outdir, option="--force" if force else None)
     outdir.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(outdir.parent / f".{outdir.name}.lock"):
         # Another process may have built it while we waited for the lock.
         if not force and is_complete(outdir, seed, spec):
             return TinyFamily.at(outdir)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.build-", dir=outdir.parent))
-        try:
+        with atomic_output_dir(outdir) as tmp:
             _build_into(tmp, seed, spec, progress)
             _make_readable(tmp)
-            _install_dir(tmp, outdir)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     if not is_complete(outdir, seed, spec):
         raise RuntimeError(f"tiny family in {outdir} is incomplete right after building it")
     return TinyFamily.at(outdir)
@@ -172,15 +167,11 @@ def _make_readable(root: Path) -> None:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
-def _check_replaceable(outdir: Path) -> None:
-    """Refuse to replace a directory that is neither empty nor a (possibly stale) tiny family."""
-    if outdir.exists() and not outdir.is_dir():
-        raise FileExistsError(f"{outdir} exists and is not a directory")
-    if outdir.is_dir() and any(outdir.iterdir()) and not (outdir / MANIFEST).is_file():
-        raise FileExistsError(
-            f"{outdir} is not empty and holds no {MANIFEST}, so it is not a tiny family; refusing "
-            f"to replace it: choose a new or empty directory"
-        )
+def check_family_dir(outdir: str | Path, option: str | None = None) -> Path:
+    """``outdir`` resolved, if a family may be built there: new, empty, or a (possibly stale)
+    family holding only the files its manifest lists; else :class:`~vllm_nemotron_spec.outputs.
+    OutputError` (one line naming the path and why)."""
+    return check_output_dir(outdir, recognised=manifest_files(MANIFEST), option=option)
 
 
 def is_complete(outdir: str | Path, seed: int, spec: TinySpec | None = None) -> bool:
@@ -249,15 +240,6 @@ def _file_table(root: Path) -> dict:
             "sha256": hashlib.sha256(data).hexdigest(),
         }
     return table
-
-
-def _install_dir(tmp: Path, outdir: Path) -> None:
-    """Move a finished build into place, replacing an older one (callers hold the lock)."""
-    if outdir.exists():
-        old = outdir.with_name(f".{outdir.name}.old-{os.getpid()}-{time.time_ns()}")
-        os.replace(outdir, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(tmp, outdir)
 
 
 @contextlib.contextmanager

@@ -90,7 +90,6 @@ import hashlib
 import json
 import math
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -101,13 +100,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_nemotron_spec.checkpoint import layout
-from vllm_nemotron_spec.tiny.build import (
-    _file_lock,
-    _file_table,
-    _install_dir,
-    _say,
-    builder_source_hash,
-)
+from vllm_nemotron_spec.outputs import atomic_output_dir, check_output_dir, manifest_files
+from vllm_nemotron_spec.tiny.build import _file_lock, _file_table, _say, builder_source_hash
 
 MANIFEST = "manifest.json"
 DFLASH = "dflash"
@@ -1171,12 +1165,12 @@ def build_trained_drafts(
     key = cache_key(family, seed, spec)
     if not force and _is_complete(outdir, key):
         return TrainedDrafts.at(outdir)
+    check_output_dir(outdir, recognised=manifest_files(MANIFEST))
     outdir.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(outdir.parent / f".{outdir.name}.lock"):
         if not force and _is_complete(outdir, key):  # another process trained them meanwhile
             return TrainedDrafts.at(outdir)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{outdir.name}.build-", dir=outdir.parent))
-        try:
+        with atomic_output_dir(outdir) as tmp:
             stats = _train_into(tmp, family, seed, spec, progress)
             manifest = {
                 "builder_sources": builder_source_hash(),
@@ -1188,10 +1182,6 @@ def build_trained_drafts(
                 "files": _file_table(tmp),
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            _install_dir(tmp, outdir)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
     if not _is_complete(outdir, key):
         raise RuntimeError(f"trained drafts in {outdir} are incomplete right after training them")
     return TrainedDrafts.at(outdir)
