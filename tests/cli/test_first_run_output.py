@@ -54,3 +54,9 @@ def test_make_tiny_prints_absolute_paths_and_trained_drafts(monkeypatch, tmp_pat
     assert argv[3] == str(tmp_path / "rel" / "target")
     assert json.loads(argv[argv.index("--speculative-config") + 1])["model"] == str(
         trained_root / "dflash")
+
+
+def test_vllm_passthrough_hands_help_to_vllm():
+    """``vllm-nemotron-spec vllm bench serve --help`` shows vLLM's help, not the passthrough's."""
+    args, extra = cli.build_parser().parse_known_args(["vllm", "bench", "serve", "--help"])
+    assert args.command == "vllm" and extra == ["bench", "serve", "--help"]
