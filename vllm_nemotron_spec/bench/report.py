@@ -105,6 +105,7 @@ def plot_report(report: dict, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    color = {r["label"]: f"C{i % 10}" for i, r in enumerate(report["runs"])}  # one per method
     spec = [r for r in report["runs"] if r["per_position_acceptance"]]
     timed = [r for r in report["runs"] if r["status"] == "ok" and r["tokens_per_s"]]
     fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
@@ -117,12 +118,13 @@ def plot_report(report: dict, path: str | Path) -> Path:
     for i, r in enumerate(spec):
         k = r["num_speculative_tokens"] or len(r["per_position_acceptance"])
         rates = r["per_position_acceptance"]
-        left.plot(range(1, len(rates) + 1), rates, marker="o",
+        left.plot(range(1, len(rates) + 1), rates, marker="o", color=color[r["label"]],
                   label=f"{r['label']} (K={k}, accept len {r['mean_acceptance_length']:.2f})")
         hist = r["acceptance_histogram"] or []
         total = sum(hist) or 1
         xs = [L + (i - (len(spec) - 1) / 2) * width for L in range(1, len(hist) + 1)]
-        mid.bar(xs, [h / total for h in hist], width=width, label=f"{r['label']} (K={k})")
+        mid.bar(xs, [h / total for h in hist], width=width, label=f"{r['label']} (K={k})",
+                color=color[r["label"]])
     if spec:
         positions = max(len(r["per_position_acceptance"]) for r in spec)
         left.set(title="per-position acceptance", xlabel="draft position p",
@@ -138,7 +140,7 @@ def plot_report(report: dict, path: str | Path) -> Path:
         names = [r["label"] + (f" (K={r['num_speculative_tokens']})"
                                if r["num_speculative_tokens"] else "") for r in timed]
         speeds = [r["tokens_per_s"] for r in timed]
-        bars = right.barh(range(len(timed)), speeds, color=[f"C{i % 10}" for i in range(len(timed))])
+        bars = right.barh(range(len(timed)), speeds, color=[color[r["label"]] for r in timed])
         right.set_yticks(range(len(timed)), names)
         right.invert_yaxis()
         for bar, r in zip(bars, timed):
