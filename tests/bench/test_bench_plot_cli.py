@@ -86,3 +86,25 @@ def test_plot_labels_every_length_and_k(tmp_path, monkeypatch):
     assert [t.get_text() for t in mid.get_legend().get_texts()] == ["dflash (K=3)"]
     assert left.get_legend().get_texts()[0].get_text() == "dflash (K=3, accept len 2.50)"
     assert [t.get_text() for t in right.get_yticklabels()] == ["plain", "dflash (K=3)"]
+
+
+def test_vllm_logs_quiet_during_bench_and_restored(monkeypatch):
+    """By default vLLM logs WARNING and above while bench runs (here and in engine processes,
+    through VLLM_LOGGING_LEVEL); --verbose or the user's own VLLM_LOGGING_LEVEL leaves them."""
+    import logging
+    import os
+
+    from vllm_nemotron_spec.cli.bench import vllm_log_level
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    logger = logging.getLogger("vllm")
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    with vllm_log_level("WARNING"):
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+        assert not logger.isEnabledFor(logging.INFO) and logger.isEnabledFor(logging.WARNING)
+    assert "VLLM_LOGGING_LEVEL" not in os.environ and logger.level == logging.INFO
+    with vllm_log_level(None):  # --verbose
+        assert "VLLM_LOGGING_LEVEL" not in os.environ and logger.level == logging.INFO
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    with vllm_log_level("WARNING"):
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG" and logger.level == logging.INFO
