@@ -33,6 +33,7 @@ PATCH_MODULES = (
     "cpu_kernel_rebind",
     "cpu_expand_kernel",
     "cpu_seeded_partial_prefill",
+    "cpu_onednn_handler_release",
     "v1_nemotron35_proposers",
     "mamba_spec_decode_padding",
 )
