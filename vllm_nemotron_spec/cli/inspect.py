@@ -168,10 +168,10 @@ def _module_rows(modules: list[dict]) -> list[str]:
     for m in modules:
         name = re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", m["name"])
         key = (name, m["format"], m["found_dtype"], tuple(m["logical_shape"]),
-               tuple(m["found_shape"] or ()), m["ok"])
+               tuple(m["found_shape"] or ()), m["ok"], m.get("truncated", False))
         groups.setdefault(key, []).append(m)
     rows = []
-    for (name, fmt, dtype, logical, _, ok), members in groups.items():
+    for (name, fmt, dtype, logical, _, ok, cut), members in groups.items():
         m = members[0]
         label = name + (f" (x{len(members)})" if len(members) > 1 else "")
         if fmt == "nvfp4":
@@ -187,7 +187,9 @@ def _module_rows(modules: list[dict]) -> list[str]:
         elif m["found_shape"] is not None and tuple(m["found_shape"]) != tuple(logical) \
                 and fmt == "dense":
             text += f"  found {m['found_shape']}"
-        if not ok:
+        if cut:
+            text += "  <- truncated: its data lies past the end of the file"
+        elif not ok:
             text += "  <- problem"
         rows.append(text)
     return rows

