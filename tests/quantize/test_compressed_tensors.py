@@ -238,10 +238,11 @@ def _exact_dequantize(codes: torch.Tensor, scale: torch.Tensor, global_scale: to
 
 
 def _worst_relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest |approx - exact| / |exact|; infinite where exact is 0 and approx is not."""
     err = (approx.to(torch.float64) - exact).abs()
     nonzero = exact != 0
-    assert torch.all(err[~nonzero] == 0), "a zero code or scale must dequantize to exactly 0"
-    assert exact[nonzero].abs().min() >= torch.finfo(torch.float32).tiny, "bound needs normals"
+    if torch.any(err[~nonzero] != 0):
+        return float("inf")
     return float((err[nonzero] / exact[nonzero].abs()).max())
 
 
@@ -265,6 +266,8 @@ def test_against_compressed_tensors_own_dequantization(ct_dflash):
         theirs = ct_dequantize(x_q=codes, scale=scale.float(), global_scale=g,
                                dtype=torch.float32)
         exact = _exact_dequantize(codes, scale, g)
+        # the bound is for normal numbers (subnormals round absolutely)
+        assert exact[exact != 0].abs().min() >= torch.finfo(torch.float32).tiny, m
         assert _worst_relative_error(ours, exact) <= TWO_ROUNDINGS, m
         assert _worst_relative_error(theirs, exact) <= TWO_ROUNDINGS, m
         # The checks catch layout errors: nibbles swapped in each byte, a block scale doubled.
