@@ -16,6 +16,8 @@ that never imports the V1 runner or the scheduler does not import them for the p
 | v1_nemotron35_proposers  | VllmConfig._get_v1_model_runner_unsupported_features,        | any, vLLM 0.32/0.33 |
 |                          | GPUModelRunner.__init__ / ._input_fits_in_drafter (V1 runner)|                     |
 | mamba_spec_decode_padding| sched.scheduler.Scheduler.schedule (spec-decode padding)     | any, vLLM 0.32/0.33 |
+| spec_decode_structured_  | sampling_params.SamplingParams.verify (lm-format-enforcer    | any, vLLM 0.32/0.33 |
+| output_backend           | guides refused under speculative decoding)                   |                     |
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ PATCH_MODULES = (
     "cpu_seeded_partial_prefill",
     "v1_nemotron35_proposers",
     "mamba_spec_decode_padding",
+    "spec_decode_structured_output_backend",
 )
 
 
