@@ -178,3 +178,27 @@ def test_mixed_guided_and_unguided_batch_equals_each_request_alone(results, back
             f"{method}: mixed-batch request ({name or 'unguided'}, prompt {i}) differs: "
             f"{out.text!r} != {want.text!r}")
     assert [o.token_ids for o in run.unguided] == [o.token_ids for o in plain.unguided]
+
+
+def test_backend_that_cannot_roll_back_is_refused_per_request(tiny_family, trained, results):
+    """lm-format-enforcer cannot roll a grammar back over rejected drafts: with a draft, each
+    guided request is refused (the error names the option; the API server answers 400) and
+    unguided requests on the same engine are still exact. patches/
+    spec_decode_structured_output_backend.py."""
+    from vllm.exceptions import VLLMValidationError
+
+    llm = runs.make_llm(str(tiny_family.target),
+                        {"method": "dflash", "model": str(trained.dflash),
+                         "num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
+                        enable_prefix_caching=False,
+                        structured_outputs_config={"backend": "lm-format-enforcer"})
+    try:
+        guide = {x.name: x for x in g.guides("xgrammar")}["regex"]
+        with pytest.raises(VLLMValidationError, match=r"--structured-outputs-config\.backend"):
+            _generate(llm, g.PROMPTS[:1], _params(guide))
+        unguided, counters = _generate(llm, g.PROMPTS, _params(None))
+    finally:
+        runs.release(llm)
+    assert [o.token_ids for o in unguided] == [
+        o.token_ids for o in results[("xgrammar", "plain")].unguided]
+    assert counters.num_drafts > 0
