@@ -103,5 +103,49 @@ def test_transformers_autotokenizer(tiny_family):
         ids = hf(text)["input_ids"]
         assert ids == tok.encode(text).ids
         assert hf.decode(ids, skip_special_tokens=True) == text
-    chat = hf.apply_chat_template([{"role": "user", "content": "The small cat"}], tokenize=False)
-    assert chat == "<s>The small cat"
+    chat = hf.apply_chat_template([{"role": "user", "content": "The small cat"}], tokenize=False,
+                                  add_generation_prompt=True)
+    assert chat == "<s><|im_start|>user\nThe small cat<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
+def test_chat_tokens_are_single_tokens_after_the_merges(tiny_family):
+    """The reasoning and tool-call markers are one token each (vLLM's nemotron_v3 reasoning
+    parser and qwen3_coder tool parser look them up by id), placed after the BPE merges, so the
+    corpus encodes as it would without them; ``<|im_start|>`` / ``<|im_end|>`` are special."""
+    tok = tk.load_tokenizer(tiny_family.tokenizer)
+    ids = [tok.token_to_id(t) for t in tk.CHAT_TOKENS]
+    assert None not in ids and ids == list(range(ids[0], ids[0] + len(ids)))
+    assert tok.token_to_id("<reserved_0>") == ids[-1] + 1
+    text = "a<think>b</think><tool_call>c</tool_call>"
+    encoded = tok.encode(text, add_special_tokens=False).ids
+    assert [i for i in encoded if i in ids] == ids[2:]
+    assert tok.decode(encoded, skip_special_tokens=True) == text
+    chat = tok.encode("<|im_start|>user<|im_end|>", add_special_tokens=False).ids
+    assert chat[0] == ids[0] and chat[-1] == ids[1]
+    assert tok.decode(chat, skip_special_tokens=True) == "user"
+    for doc in generate_documents(0, 200):
+        assert not set(tok.encode(doc).ids) & set(ids)
+
+
+def test_chat_template_renders_tools_reasoning_and_tool_calls(tiny_family):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_family.tokenizer))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Paris.", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather",
+                                              "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny"},
+    ]
+    text = hf.apply_chat_template(messages, tools=[tool], tokenize=False,
+                                  add_generation_prompt=True, enable_thinking=False)
+    assert text.startswith("<s><|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '{"name": "get_weather", "parameters":' in text
+    assert ("<|im_start|>assistant\n<think>Paris.</think>\n<tool_call>\n<function=get_weather>\n"
+            "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>\n") in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n<think></think>")

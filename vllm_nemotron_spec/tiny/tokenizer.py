@@ -12,9 +12,13 @@ id    token       use
 4     ``<mask>``  the drafts' ``mask_token_id`` (DFlash / DSpark query-block filler)
 ====  ==========  =====================================================================
 
-The rest of the vocabulary is the 256 byte symbols plus BPE merges learned from the corpus;
-if the corpus yields fewer merges than needed, ``<reserved_k>`` special tokens fill the
-vocabulary up to exactly ``vocab_size`` (like Nemotron's reserved ``<SPECIAL_k>`` tokens).
+The rest of the vocabulary is the 256 byte symbols plus BPE merges learned from the corpus,
+then the chat tokens (:data:`CHAT_TOKENS`: ``<|im_start|>``, ``<|im_end|>``, ``<think>``,
+``</think>``, ``<tool_call>``, ``</tool_call>``, single tokens as in Nemotron 3's tokenizer, so
+vLLM's ``nemotron_v3`` reasoning parser and ``qwen3_coder`` tool parser find them by id); if the
+corpus yields fewer merges than needed, ``<reserved_k>`` special tokens fill the vocabulary up to
+exactly ``vocab_size`` (like Nemotron's reserved ``<SPECIAL_k>`` tokens). The chat tokens never
+occur in the corpus, so the models' training data is the same with or without them.
 
 Digits are split one per token (as in Nemotron / Llama 3), so numbers are sequences of digits.
 
@@ -35,11 +39,64 @@ UNK_ID, BOS_ID, EOS_ID, PAD_ID, MASK_ID = range(5)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-# A minimal chat template (the tiny models are not chat-tuned): the messages' contents joined by
-# newlines after BOS, so vLLM's chat endpoints and its start-up chat warm-up work.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+THINK_START, THINK_END = "<think>", "</think>"
+TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
+CHAT_TOKENS = (IM_START, IM_END, THINK_START, THINK_END, TOOL_CALL_START, TOOL_CALL_END)
+"""Added after the BPE merges; ``<|im_start|>`` / ``<|im_end|>`` are special (dropped when
+decoding with ``skip_special_tokens``), the reasoning and tool-call markers are not (they stay in
+the text the parsers read), as in Nemotron 3 and Qwen3."""
+
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
-    "{% if not loop.last %}\n{% endif %}{% endfor %}"
+    # Nemotron 3's ChatML layout, shortened (the tiny models are not chat-tuned; the template lets
+    # vLLM's chat endpoint, its tool parser and its reasoning parser run as for Nemotron 3.5):
+    # tools listed in the system turn with the XML call format the qwen3_coder parser reads;
+    # assistant turns as <think>reasoning</think>content and <tool_call> blocks; tool results in
+    # a user turn; the generation prompt opens <think> (or closes it at once when
+    # enable_thinking is false).
+    "{{ bos_token }}"
+    "{%- set ns = namespace(system='') %}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- set ns.system = messages[0]['content'] %}{%- endif %}"
+    "{%- if ns.system or tools %}"
+    "{{- '<|im_start|>system\n' + ns.system }}"
+    "{%- if tools %}"
+    "{{- '\n\n# Tools\n\nYou have access to the following functions:\n\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool['function'] if 'function' in tool else tool) | tojson }}"
+    "{%- endfor %}"
+    "{{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format:"
+    "\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1"
+    "\n</parameter>\n</function>\n</tool_call>' }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n<think>' + (message.get('reasoning_content') or "
+    "message.get('reasoning') or '') + '</think>' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set fn = call['function'] if 'function' in call else call %}"
+    "{{- '\n<tool_call>\n<function=' + fn['name'] + '>\n' }}"
+    "{%- if fn['arguments'] is mapping %}{%- for name, value in fn['arguments'].items() %}"
+    "{{- '<parameter=' + name + '>\n' + (value if value is string else value | tojson) "
+    "+ '\n</parameter>\n' }}"
+    "{%- endfor %}{%- else %}{{- fn['arguments'] + '\n' }}{%- endif %}"
+    "{{- '</function>\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response>"
+    "<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking %}{{- '<think></think>' }}"
+    "{%- else %}{{- '<think>\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 
@@ -62,7 +119,8 @@ class TokenizerParams:
 def train_tokenizer(documents: Sequence[str], params: TokenizerParams = TokenizerParams()):
     """Train the byte-level BPE tokenizer on ``documents``; returns a ``tokenizers.Tokenizer``
     with exactly ``params.vocab_size`` tokens and the special tokens at the ids above."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors,
+                            trainers)
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -73,13 +131,15 @@ def train_tokenizer(documents: Sequence[str], params: TokenizerParams = Tokenize
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=params.vocab_size,
+        vocab_size=params.vocab_size - len(CHAT_TOKENS),  # room for the chat tokens
         min_frequency=params.min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(documents), trainer=trainer, length=len(documents))
+    tok.add_tokens([AddedToken(t, special=t in (IM_START, IM_END), normalized=False)
+                    for t in CHAT_TOKENS])
     # Fill up to exactly vocab_size with reserved special tokens (ids continue after the merges).
     missing = params.vocab_size - tok.get_vocab_size(with_added_tokens=True)
     if missing < 0:

