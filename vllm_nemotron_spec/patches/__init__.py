@@ -8,6 +8,9 @@ that never imports the V1 runner or the scheduler does not import them for the p
 |--------------------------|--------------------------------------------------------------|---------------------|
 | cpu_mamba_conv_state     | mamba_mixer2.causal_conv1d_update                            | CPU, vLLM 0.32.x    |
 | cpu_mamba_ssm_state      | ssu_dispatch.CPUSSUBackend.__call__                          | CPU, vLLM 0.32.x    |
+| cpu_mamba_align_cache    | ssd_combined._mamba_chunk_scan_combined_fwd, mamba_mixer2.   | CPU, vLLM 0.32.x    |
+|                          | store_prefill_checkpoint, mamba_utils.precopy_mamba_align_   |                     |
+|                          | fused_kernel / .postprocess_mamba_fused_kernel               |                     |
 | cpu_dflash_context_k_norm| qwen3_dflash.DFlashQwen3Model._normalize_context_k           | CPU, vLLM 0.32.x    |
 | cpu_kernel_rebind        | triton_utils.dispatcher._rebind_kernels                      | CPU, vLLM 0.32.x    |
 | cpu_expand_kernel        | utils.cpu_triton_utils._expand_kernel_impl                   | CPU, vLLM 0.32.x    |
@@ -29,6 +32,7 @@ from typing import Callable
 PATCH_MODULES = (
     "cpu_mamba_conv_state",
     "cpu_mamba_ssm_state",
+    "cpu_mamba_align_cache",
     "cpu_dflash_context_k_norm",
     "cpu_kernel_rebind",
     "cpu_expand_kernel",
