@@ -1,5 +1,5 @@
-"""The CPU Mamba align-mode patch: chunk states of the SSD scan (bit-exact against vLLM's own CPU
-scan), the prefill checkpoint store, the two fused state-copy kernels, and tripwires for upstream."""
+"""The CPU Mamba align-mode patch: chunk states of the SSD scan (against vLLM's own CPU scan), the
+prefill checkpoint store, the two fused state-copy kernels, and tripwires for upstream."""
 
 from types import SimpleNamespace
 
@@ -41,10 +41,16 @@ def _upstream_scan(inputs, lengths, chunk_size=64, **extra):
     return scan, (i["x"], i["dt"], i["A"], i["B"], i["C"], chunk_size, out), kwargs, last_chunks
 
 
-def test_chunk_states_are_bit_exact_against_the_unsplit_cpu_scan():
-    """Final states and outputs equal vLLM's one-pass CPU scan bit for bit, and the state at
-    each chunk end equals a scan of the prompt up to that point (what a later prefix-cache hit
-    resumes from)."""
+def _assert_close_to_fp32_rounding(got, expected, tokens):
+    """Equal up to the rounding of a ``tokens``-step fp32 recurrence summed in another order."""
+    atol = tokens * torch.finfo(torch.float32).eps * float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+
+
+def test_chunk_states_match_the_unsplit_cpu_scan():
+    """Final states and outputs equal vLLM's one-pass CPU scan (to fp32 rounding), and the state
+    at each chunk end equals a scan of the prompt up to that point (what a later prefix-cache
+    hit resumes from)."""
     lengths = [150, 70, 64]
     inputs = _scan_inputs(lengths)
     scan, args, kwargs, last_chunks = _upstream_scan(inputs, lengths)
@@ -55,15 +61,16 @@ def test_chunk_states_are_bit_exact_against_the_unsplit_cpu_scan():
     chunk_states = patch.scan_with_chunk_states(scan, *args2, **kwargs2,
                                                 return_intermediate_states=True)
     assert chunk_states.shape[0] == len(kwargs["cu_chunk_seqlens"]) - 1
-    assert torch.equal(args2[6], expected_out)
-    assert torch.equal(chunk_states[last_chunks.long()], final)
+    _assert_close_to_fp32_rounding(args2[6], expected_out, max(lengths))
+    _assert_close_to_fp32_rounding(chunk_states[last_chunks.long()], final, max(lengths))
+    assert not torch.equal(chunk_states[0], chunk_states[1])
 
-    # The first sequence's chunk ends at tokens 64 and 128: scans of those prefixes alone.
+    # The first sequence's chunks end at tokens 64 and 128: scans of those prefixes alone.
     for end, chunk in ((64, 0), (128, 1)):
         prefix = {k: (v[:end] if k in ("x", "dt", "B", "C") else v) for k, v in inputs.items()}
         prefix["initial_states"] = inputs["initial_states"][:1]
         scan_p, args_p, kwargs_p, _ = _upstream_scan(prefix, [end])
-        assert torch.equal(chunk_states[chunk], scan_p(*args_p, **kwargs_p)[0])
+        _assert_close_to_fp32_rounding(chunk_states[chunk], scan_p(*args_p, **kwargs_p)[0], end)
 
 
 def test_upstream_cpu_scan_still_returns_only_final_states():
@@ -147,14 +154,15 @@ def test_postprocess_saves_the_aligned_state_and_resets_the_accepted_count(dim_f
     # Request 0: block size 4, 6 computed + 4 scheduled (1 + 3 drafts), 3 accepted -> the state
     # after token 8 is the 2nd state of the verified block: conv window shifted by 1 into
     # column 1 (its own running column), ssm from column 1 + 1.
-    # Request 1: 2 accepted -> token 7, not aligned: nothing copied.
+    # Request 1: 9 computed + 4 scheduled, 2 accepted -> token 11, past the last boundary (8)
+    # of its running state (token 10): nothing copied, its count kept.
     table = torch.tensor([[0, 2, 3, 4, 7], [1, 5, 6, 7, 0]], dtype=torch.int32)
     layout = _layout([(conv, True), (ssm, False)], [table], dim_first)
     accepted = torch.tensor([3, 2], dtype=torch.int32)
     out = accepted.clone()
     patch.postprocess_mamba_cpu(
         accepted, torch.tensor([1, 1], dtype=torch.int32), torch.tensor([4, 4], dtype=torch.int32),
-        torch.tensor([6, 6], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32),
+        torch.tensor([6, 9], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32),
         *layout, out, None, 2, block_size=4, CONV_STATE_DIM_FIRST=dim_first,
     )
     assert out.tolist() == [1, 2]

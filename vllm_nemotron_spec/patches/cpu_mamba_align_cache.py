@@ -16,9 +16,11 @@ How:     1. ``ssd_combined._mamba_chunk_scan_combined_fwd`` is wrapped: a call t
             intermediate states runs vLLM's CPU scan once per chunk position (round ``r`` scans
             the ``r``-th chunk of every sequence, starting from round ``r-1``'s states), which
             yields the state at every chunk end in the layout the Triton path returns
-            (``[nchunks, heads, head_dim, d_state]``); other calls are unchanged. The CPU scan is
-            a per-token recurrence carried in fp32, so splitting it at chunk ends changes no bit
-            (``tests/patches/test_cpu_mamba_align_cache.py`` checks this).
+            (``[nchunks, heads, head_dim, d_state]``); other calls are unchanged. The state is
+            carried in fp32 between rounds; outputs and states agree with one pass to fp32
+            rounding (the compiled scan's summation order depends on the span it is given), and
+            every engine with prefix caching on runs the same split, so speculative and plain
+            decoding stay token-exact (``tests/patches/test_cpu_mamba_align_cache.py``).
          2. ``mamba_mixer2.store_prefill_checkpoint`` (the name the mixer calls) becomes
             :func:`store_prefill_checkpoint_torch`, the Triton kernel's copies in torch.
          3./4. The two fused kernels become CPU kernel overrides (:class:`_CpuKernel`, launched
