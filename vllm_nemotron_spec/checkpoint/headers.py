@@ -499,13 +499,23 @@ def is_repo_id(model: str) -> bool:
 
 
 def cached_snapshot(repo_id: str, revision: str | None = None) -> str | None:
-    """The local cache's snapshot directory of ``repo_id`` at ``revision`` (never downloads)."""
+    """The local cache's snapshot directory of ``repo_id`` at ``revision`` (a branch, tag or
+    commit; never downloads). Read from the cache layout directly: vLLM downloads only some of a
+    repo's files, which ``snapshot_download(local_files_only=True)`` may call incomplete."""
     try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(repo_id, revision=revision, local_files_only=True)
-    except Exception:  # not cached, or huggingface_hub absent
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+    except ImportError:
         return None
+    storage = os.path.join(constants.HF_HUB_CACHE,
+                           repo_folder_name(repo_id=repo_id, repo_type="model"))
+    ref = os.path.join(storage, "refs", revision or "main")
+    commit = revision or "main"
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            commit = f.read().strip()
+    snapshot = os.path.join(storage, "snapshots", commit)
+    return snapshot if os.path.isdir(snapshot) else None
 
 
 def weights_present(directory: str) -> bool:
