@@ -7,6 +7,7 @@ directories under repo ids, with the endpoints ``huggingface_hub`` uses.
   ``ETag`` and ``Content-Length`` (``hf_hub_download``, ``file_exists``,
   ``get_safetensors_metadata``, which reads header byte ranges).
 
+``refuse_ranges`` makes ranged reads fail (a Hub whose metadata cannot be read remotely).
 Unknown repos, revisions and files answer 404 with the ``X-Error-Code`` the Hub sends, so
 ``huggingface_hub`` raises its usual errors. Every body byte sent is counted per (repo, file).
 """
@@ -48,6 +49,7 @@ class LoopbackHub:
                     p.name: p.read_bytes() for p in Path(source).iterdir() if p.is_file()}
                 self.repos[repo][name] = Revision(files)
         self.served: Counter = Counter()
+        self.refuse_ranges = False  # True: ranged GETs answer 500 (no remote header reads)
         self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -163,6 +165,8 @@ class LoopbackHub:
                            "Content-Type": "application/octet-stream"}
                 status, body = 200, data
                 rng = self.headers.get("Range")
+                if rng and hub.refuse_ranges and not head:
+                    return self._send(500, b"ranges refused", {"X-Repo-Commit": r.commit})
                 m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
                 if m and not head:
                     start = int(m[1])

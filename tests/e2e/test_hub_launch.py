@@ -144,6 +144,27 @@ def test_wrong_fc_revision_is_refused_before_any_weight_is_downloaded(hub, hf_ho
     assert hub.served_bytes(TARGET, ".safetensors") == 0
 
 
+def test_headers_unreadable_at_start_up_are_checked_at_load_time(hub, hf_home):
+    """With the Hub's header ranges failing, start-up says the check is deferred, vLLM downloads
+    the weights, and the draft model refuses them before any tensor is copied, with the same
+    problem as at start-up."""
+    before = hub.served_bytes(DSPARK, ".safetensors")
+    hub.refuse_ranges = True
+    try:
+        failed = serving.serve_once(TARGET, speculative_config={
+            "method": "dspark", "model": DSPARK, "revision": WRONG_FC,
+            "num_speculative_tokens": GAMMA}, args=serving.CPU_TINY_SERVE_ARGS,
+            env=hub_env(hub, hf_home), timeout=300)
+    finally:
+        hub.refuse_ranges = False
+    assert not failed.became_ready and failed.returncode != 0
+    assert "tensor headers deferred to load time (the Hub's safetensors metadata of " \
+        f"{DSPARK}@{WRONG_FC} could not be read" in failed.output, failed.output[-3000:]
+    assert f"Nemotron 3.5 draft {DSPARK}" in failed.output and "`fc.weight`" in failed.output
+    size = len(hub.repos[DSPARK][WRONG_FC].files["model.safetensors"])
+    assert hub.served_bytes(DSPARK, ".safetensors") - before == size  # downloaded, then refused
+
+
 def test_serve_dspark_by_repo_id_from_an_empty_cache(hub, hf_home, prompts, plain, tmp_path):
     env = hub_env(hub, hf_home)
     log = tmp_path / "serve.log"
