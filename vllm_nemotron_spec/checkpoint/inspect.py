@@ -162,10 +162,14 @@ def load_config(model: str, what: str = "draft", revision: str | None = None,
         return cfg, file
     file = _hub_file(model, "config.json", revision, hub)
     if file is None:
+        from huggingface_hub import constants
+
         at = f"{model}@{revision or 'main'}"
+        why = (" and the Hub is off (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE
+               else " and the Hub did not provide it (unknown repository or revision, no "
+                    "access, or no connection)" if hub else "")
         raise DraftSpecError(f"{what} {at}: config.json is not in the local Hugging Face cache"
-                             + (" and the Hub is off (HF_HUB_OFFLINE=1)" if hub else "")
-                             + " (or the repository does not exist)")
+                             + why)
     cfg, file = read_config_json(file, what)
     if "quantization_config" not in cfg:
         quant = _hub_file(model, "hf_quant_config.json", revision, hub)
