@@ -75,8 +75,14 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
     was checked and from where."""
     from vllm.logger import init_logger
 
-    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint, vllm_draft_config
-    from vllm_nemotron_spec.checkpoint.spec import DraftSpecError, is_nemotron35_draft_config
+    from vllm_nemotron_spec.checkpoint.inspect import (
+        inspect_checkpoint,
+        vllm_draft_config,
+    )
+    from vllm_nemotron_spec.checkpoint.spec import (
+        DraftSpecError,
+        is_nemotron35_draft_config,
+    )
 
     spec_config = vllm_config.speculative_config
     if spec_config is None or spec_config.method not in ("dflash", "dspark"):

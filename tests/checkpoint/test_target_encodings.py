@@ -66,7 +66,7 @@ def test_every_encoding_counts_the_same_blocks(saved, tmp_path, tiny_family):
 def test_inspect_accepts_the_trained_drafts_against_each_encoding(saved, tmp_path, tiny_family):
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
-    config, out = saved
+    _, out = saved
     t5 = json.loads((out / "config.json").read_text())
     nested = _write(tmp_path, "nested", {"architectures": ["NemotronHForCausalLM"],
                                          "text_config": t5})

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (hub_server)
-from hub_server import LoopbackHub  # noqa: E402
+from hub_server import LoopbackHub
 
-from vllm_nemotron_spec import serving  # noqa: E402
+from vllm_nemotron_spec import serving
 
 pytestmark = pytest.mark.engine
 
@@ -88,7 +88,7 @@ def hub_env(hub, hf_home, offline=False) -> dict:
 def run_inspect(env, *args):
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_nemotron_spec.cli.main", "inspect", *args, "--json"],
-        env=env, capture_output=True, text=True, timeout=120)
+        env=env, capture_output=True, text=True, timeout=120, check=False)
     return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else None, proc.stderr
 
 
@@ -96,7 +96,7 @@ def llm_tokens(env, model, spec, prompts):
     job = {"model": model, "speculative_config": spec, "prompts": prompts,
            "max_tokens": MAX_TOKENS}
     proc = subprocess.run([sys.executable, str(LLM_TOKENS), json.dumps(job)], env=env,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len("TOKENS "):])["token_ids"], proc.stdout + proc.stderr
@@ -132,7 +132,7 @@ def test_inspect_online_reads_config_files_and_header_ranges_only(hub, hf_home):
 def test_wrong_fc_revision_is_refused_before_any_weight_is_downloaded(hub, hf_home):
     env = hub_env(hub, hf_home)
     before = hub.served_bytes(DSPARK, ".safetensors")
-    rc, report, err = run_inspect(env, DSPARK, "--revision", WRONG_FC, "--target", TARGET)
+    rc, report, _ = run_inspect(env, DSPARK, "--revision", WRONG_FC, "--target", TARGET)
     assert rc == 2 and any(p.startswith("draft weights: `fc.weight`") for p in report["problems"])
     failed = serving.serve_once(TARGET, speculative_config={
         "method": "dspark", "model": DSPARK, "revision": WRONG_FC,

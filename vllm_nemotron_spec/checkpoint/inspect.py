@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 from collections import OrderedDict
-
-
 
 
 def inspect_checkpoint(draft: str, target: str | None = None,
@@ -200,21 +197,6 @@ def _model_arg(path: str) -> str:
     if os.path.isfile(path):
         return os.path.dirname(path) or "."
     return path
-
-
-def local_checkpoint_path(path: str) -> str | None:
-    """``path`` if it exists here, else its snapshot in the local Hugging Face cache (never
-    downloads)."""
-    if os.path.exists(path):
-        return path
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not path.startswith((".", "/")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return snapshot_download(path, local_files_only=True)
-        except Exception:  # not cached, or huggingface_hub absent: a plain "not found"
-            return None
-    return None
 
 
 def _spec_facts(spec, gamma) -> dict:

@@ -40,11 +40,11 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
-from vllm_nemotron_spec.target_hook import checked_weights
 from vllm_nemotron_spec.models.nemotron35_dflash import (
     check_built_model_matches_spec,
     draft_spec_from_vllm_config,
 )
+from vllm_nemotron_spec.target_hook import checked_weights
 
 logger = logging.getLogger("vllm.nemotron_spec.dspark")  # under "vllm": printed by its handler
 
