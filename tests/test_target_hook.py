@@ -76,3 +76,24 @@ def test_spec_decode_refuses_when_a_needed_patch_is_not_installed(tiny_family, m
     config = _engine_config(tiny_family.target, speculative_config=spec,
                             enable_prefix_caching=False)
     assert config.speculative_config.method == "ngram"
+
+
+def test_a_target_saved_by_transformers_5_takes_nemotron35_drafts(tiny_family, tmp_path):
+    """``save_pretrained`` of transformers >= 5 writes ``layers_block_type`` only; the hook reads
+    the target from the config vLLM loaded, so the drafts are checked and routed as for the
+    published pattern string (and vLLM alone builds the same config)."""
+    from transformers import NemotronHConfig
+
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+    NemotronHConfig.from_pretrained(str(tiny_family.target)).save_pretrained(str(tmp_path))
+    assert "hybrid_override_pattern" not in json.loads((tmp_path / "config.json").read_text())
+    plain = _engine_config(tmp_path)
+    assert plain.model_config.hf_config.hybrid_override_pattern == "M-M*-M-M*-M-M-"
+    trained = ensure_trained_drafts(family=tiny_family)
+    for method, draft in (("dspark", trained.dspark), ("dflash", trained.dflash)):
+        config = _engine_config(tmp_path, speculative_config={
+            "method": method, "model": str(draft), "num_speculative_tokens": 3})
+        hf = config.speculative_config.draft_model_config.hf_config
+        assert hf.architectures == [target_hook.NEMOTRON35_DRAFT_ARCHITECTURES[method]]
+        assert getattr(hf, target_hook.WEIGHTS_CHECKED_ATTR) == f"local directory {draft}"

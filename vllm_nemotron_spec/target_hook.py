@@ -5,11 +5,12 @@ vLLM runs ``MODELS_CONFIG_MAP[architecture].verify_and_update_config(vllm_config
 config. ``patches/nemotron_h_config_hook.py`` chains ``prepare_nemotron_h_config`` onto vLLM's own
 NemotronH entry (vLLM's Mamba cache-dtype update still runs first), which, in order:
 
-1. A DFlash / DSpark draft with the Nemotron 3.5 layout (structural check of its config.json) is
+1. A DFlash / DSpark draft with the Nemotron 3.5 layout (structural check of its config) is
    checked as a whole, exactly as ``vllm-nemotron-spec inspect`` checks it (config, aux ids
-   against the target's blocks, tensor layout from the safetensors headers, gamma); any problem
-   stops start-up with every problem listed. Nemotron 3.5 DFlash drafts are then routed to the
-   plugin's draft class. Every other draft keeps vLLM's own path untouched.
+   against the target's blocks as vLLM loaded the target's config, gamma, and the tensor layout
+   from the safetensors headers: now when they can be read without a weight download, else at
+   load time); any problem stops start-up with every problem listed. Nemotron 3.5 drafts are then
+   routed to the plugin's draft classes. Every other draft keeps vLLM's own path untouched.
 2. Refuses speculative decoding, and on CPU prefix caching, whose exactness needs a patch that
    is not installed (``require_patches``).
 3. Chooses the attention backends (``attention.apply_attention_choice``).
@@ -33,26 +34,46 @@ NEMOTRON35_DRAFT_ARCHITECTURES = {
 }
 
 
+WEIGHTS_CHECKED_ATTR = "nemotron_spec_weights_checked"
+"""Set on the draft's ``hf_config`` (which travels to the engine processes) to where its tensor
+headers were checked at start-up; absent: the draft model checks them at load time."""
+
+
 def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
     """Validate a Nemotron 3.5 draft and route it to our class; returns the inspection report,
-    or None when there is no DFlash/DSpark draft with the Nemotron 3.5 layout."""
+    or None when there is no DFlash/DSpark draft with the Nemotron 3.5 layout.
+
+    Whether a draft has the layout is decided from its config alone (vLLM has fetched it by now).
+    The target's facts come from the ``hf_config`` vLLM loaded. Tensor headers are checked now when
+    they can be read without downloading a weight (local files, a complete cache snapshot, the
+    Hub's safetensors metadata), else at load time by the draft model. One log line says what
+    was checked and from where."""
     from vllm.logger import init_logger
 
-    from vllm_nemotron_spec.checkpoint.spec import DraftSpecError
-    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
+    from vllm_nemotron_spec.checkpoint.inspect import (
+        inspect_checkpoint,
+        vllm_draft_config,
+    )
+    from vllm_nemotron_spec.checkpoint.spec import (
+        DraftSpecError,
+        is_nemotron35_draft_config,
+    )
 
     spec_config = vllm_config.speculative_config
     if spec_config is None or spec_config.method not in ("dflash", "dspark"):
         return None
     draft_config = spec_config.draft_model_config
+    cfg = vllm_draft_config(draft_config)
+    if not is_nemotron35_draft_config(cfg):
+        return None
+    revision = getattr(draft_config, "revision", None)
     report = inspect_checkpoint(
         draft_config.model, target=vllm_config.model_config.model,
-        num_speculative_tokens=spec_config.num_speculative_tokens,
+        num_speculative_tokens=spec_config.num_speculative_tokens, revision=revision,
+        draft_config=cfg, target_config=vllm_config.model_config.hf_config,
     )
-    if not report.get("nemotron35_layout"):
-        return None
     problems = list(report["problems"])
-    if report["method"] != spec_config.method:
+    if report.get("method") is not None and report["method"] != spec_config.method:
         problems.append(
             f'speculative_config.method is "{spec_config.method}" but the draft '
             f"{draft_config.model} is a {report['method']} checkpoint "
@@ -67,14 +88,61 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
     if arch is not None and draft_config.hf_config.architectures != [arch]:
         draft_config.hf_config.architectures = [arch]
         spec_config.update_arch_()
+    if report["weights_deferred"]:
+        weights = f"tensor headers deferred to load time ({report['weights_checked']})"
+    else:
+        setattr(draft_config.hf_config, WEIGHTS_CHECKED_ATTR, report["weights_checked"])
+        weights = (f"{report['checkpoint']['num_tensors']} tensor headers checked at start-up "
+                   f"from {report['weights_checked']}")
     init_logger(LOGGER_NAME).info(
-        "nemotron-spec: %s draft %s has the Nemotron 3.5 layout (%s, %d drafted tokens, "
-        "sample_from_anchor=%s): checked against the target; model class %s",
-        spec_config.method, draft_config.model, report["architecture"],
-        spec_config.num_speculative_tokens, report["sample_from_anchor"],
-        arch or "vLLM's own",
+        "nemotron-spec: %s draft %s%s has the Nemotron 3.5 layout (%s, %d drafted tokens, "
+        "sample_from_anchor=%s): config checked against the target's loaded config (%d blocks); "
+        "%s; model class %s",
+        spec_config.method, draft_config.model, f"@{revision}" if revision else "",
+        report["architecture"], spec_config.num_speculative_tokens,
+        report["sample_from_anchor"], report["target_blocks"], weights, arch or "vLLM's own",
     )
     return report
+
+
+def checked_weights(spec: Any, draft_model_config: Any, weights):
+    """The draft model's weights iterator, with the load-time half of the draft check in front
+    when start-up could not read the tensor headers: vLLM downloads the files when its iterator
+    starts, so the first item is taken, the headers on disk are checked as at start-up (same
+    problems, same error), and only then is any tensor handed to the model."""
+    if getattr(draft_model_config.hf_config, WEIGHTS_CHECKED_ATTR, None):
+        yield from weights
+        return
+    items = iter(weights)
+    first = next(items, None)
+    check_draft_weights_at_load(spec, draft_model_config)
+    if first is not None:
+        yield first
+    yield from items
+
+
+def check_draft_weights_at_load(spec: Any, draft_model_config: Any) -> None:
+    """Read the draft's tensor headers from its downloaded files and check them (see
+    :func:`checked_weights`); a warning says so when no file can be found."""
+    from vllm.logger import init_logger
+
+    from vllm_nemotron_spec.checkpoint.headers import draft_headers
+    from vllm_nemotron_spec.checkpoint.inspect import tensor_problems
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpecError
+
+    model = draft_model_config.model
+    source = draft_headers(model, getattr(draft_model_config, "revision", None), hub=False)
+    logger = init_logger(LOGGER_NAME)
+    if source.scan is None or not source.scan.files:
+        logger.warning("nemotron-spec: draft %s: tensor headers NOT checked (%s); vLLM loads the "
+                       "weights unchecked", model, source.where)
+        return
+    problems = [f"draft weights: {p}" for p in source.scan.problems]
+    problems += tensor_problems(spec, source.scan)[1]
+    if problems:
+        raise DraftSpecError(problems, source=f"Nemotron 3.5 draft {model}")
+    logger.info("nemotron-spec: draft %s: %d tensor headers checked at load time from %s",
+                model, len(source.scan.tensors), source.where)
 
 
 def drop_nested_sample_from_anchor(hf_config: Any) -> None:

@@ -444,7 +444,7 @@ def test_against_target_errors():
     validate_against_target(s, no_pattern)
     with pytest.raises(DraftSpecError, match="beyond the target's 51 blocks"):
         validate_against_target(s, dict(no_pattern, num_hidden_layers=51))
-    with pytest.raises(DraftSpecError, match="missing both `hybrid_override_pattern`"):
+    with pytest.raises(DraftSpecError, match="missing `layers_block_type`, `hybrid_override_pattern` and `num_hidden_layers`"):
         validate_against_target(s, {"vocab_size": 131072, "hidden_size": 2688})
     with pytest.raises(DraftSpecError, match="target config: expected a JSON object"):
         validate_against_target(s, [])

@@ -159,7 +159,7 @@ def test_generic_draft(capsys, tmp_path):
 
 def test_bad_paths(capsys, tmp_path):
     rc, out, err = inspect(capsys, tmp_path / "nope")
-    assert rc == 2 and "is not a local directory or file" in err and "never downloads" in err
+    assert rc == 2 and "nope': no such file or directory" in err
     rc, out, err = inspect(capsys, tmp_path, "--target", tmp_path / "nope")
     assert rc == 2 and "draft: " not in err and "no config.json in this directory" in err
     rc, out, err = inspect(capsys, tmp_path, "-k", "x")

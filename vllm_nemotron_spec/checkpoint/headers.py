@@ -516,3 +516,106 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
     if unexpected:
         warnings.append(f"{len(unexpected)} tensor(s) the draft does not use: {_names(unexpected)}")
     return TensorCheck(tuple(modules), tuple(problems), tuple(warnings))
+
+
+# --------------------------------------------------------------------------------------------
+# Where a draft's headers come from: a local directory, a complete cache snapshot, the Hub.
+
+
+@dataclass(frozen=True)
+class HeaderSource:
+    """A draft's safetensors headers and where they were read (``scan`` None: not read now,
+    ``where`` says why)."""
+
+    scan: CheckpointScan | None
+    where: str
+
+
+def is_repo_id(model: str) -> bool:
+    """Whether ``model`` names a Hugging Face repository rather than a local path."""
+    return (not os.path.exists(model) and not model.startswith((".", "/", "~"))
+            and re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None)
+
+
+def cached_snapshot(repo_id: str, revision: str | None = None) -> str | None:
+    """The local cache's snapshot directory of ``repo_id`` at ``revision`` (a branch, tag or
+    commit; never downloads). Read from the cache layout directly: vLLM downloads only some of a
+    repo's files, which ``snapshot_download(local_files_only=True)`` may call incomplete."""
+    try:
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+    except ImportError:
+        return None
+    storage = os.path.join(constants.HF_HUB_CACHE,
+                           repo_folder_name(repo_id=repo_id, repo_type="model"))
+    ref = os.path.join(storage, "refs", revision or "main")
+    commit = revision or "main"
+    if os.path.isfile(ref):
+        with open(ref) as f:
+            commit = f.read().strip()
+    snapshot = os.path.join(storage, "snapshots", commit)
+    return snapshot if os.path.isdir(snapshot) else None
+
+
+def weights_present(directory: str) -> bool:
+    """Whether ``directory`` holds a complete set of safetensors files (every shard an index
+    names, or ``model.safetensors``, or some ``*.safetensors`` file without an index)."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index_path):
+        weight_map = _read_index(index_path, [])
+        return bool(weight_map) and all(
+            os.path.isfile(os.path.join(directory, f)) for f in set(weight_map.values()))
+    try:
+        return any(n.endswith(".safetensors") for n in os.listdir(directory))
+    except OSError:
+        return False
+
+
+def draft_headers(model: str, revision: str | None = None, hub: bool = True) -> HeaderSource:
+    """The draft's tensor headers from the first source that has them: a local directory, a
+    complete snapshot in the Hugging Face cache, or (``hub`` and not ``HF_HUB_OFFLINE``) the
+    Hub's safetensors metadata (``get_safetensors_metadata``: header byte ranges only, at
+    ``revision``, with the saved token and ``HF_ENDPOINT``). Never downloads a weight."""
+    if not is_repo_id(model):
+        directory = model if os.path.isdir(model) else os.path.dirname(model) or "."
+        return HeaderSource(scan_checkpoint(directory), f"local directory {directory}")
+    snapshot = cached_snapshot(model, revision)
+    if snapshot is not None and weights_present(snapshot):
+        return HeaderSource(scan_checkpoint(snapshot), f"Hugging Face cache {snapshot}")
+    from huggingface_hub import constants
+
+    at = f"{model}@{revision or 'main'}"
+    if constants.HF_HUB_OFFLINE or not hub:
+        why = "HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else "Hub not asked"
+        return HeaderSource(None, f"{why} and the weights of {at} are not in the cache")
+    return _hub_headers(model, revision, at)
+
+
+def _hub_headers(model: str, revision: str | None, at: str) -> HeaderSource:
+    from huggingface_hub import get_safetensors_metadata
+    from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
+
+    where = f"Hub safetensors metadata of {at}"
+    try:
+        meta = get_safetensors_metadata(model, revision=revision)
+    except NotASafetensorsRepoError:
+        return HeaderSource(None, f"{at} lists no {SINGLE_FILE} or {INDEX_FILE} on the Hub")
+    except SafetensorsParsingError as exc:
+        scan = CheckpointScan(at, (), None, {}, (f"header unreadable on the Hub ({exc})"[:300],),
+                              ())
+        return HeaderSource(scan, where)
+    except Exception as exc:  # unreachable Hub, unknown repo, gated, ...: vLLM says the rest
+        return HeaderSource(None, f"the Hub's safetensors metadata of {at} could not be read "
+                                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+    problems: list[str] = []
+    tensors: dict[str, TensorInfo] = {}
+    for name, file_meta in sorted(meta.files_metadata.items()):
+        for tensor, t in file_meta.tensors.items():
+            if tensor in tensors:
+                problems.append(f"tensor `{tensor}` is stored twice: in {tensors[tensor].file} "
+                                f"and {name}")
+                continue
+            tensors[tensor] = TensorInfo(tensor, t.dtype, tuple(t.shape), name)
+    scan = CheckpointScan(at, tuple(sorted(meta.files_metadata)),
+                          INDEX_FILE if meta.sharded else None, tensors, tuple(problems), ())
+    return HeaderSource(scan, where)

@@ -338,9 +338,50 @@ def read_config_json(path: str, what: str = "draft") -> tuple[dict, str]:
     return cfg, file
 
 
-def target_num_blocks(target_config: dict) -> int:
-    """Number of blocks of the target: ``len(hybrid_override_pattern)`` (NemotronH) or
-    ``num_hidden_layers``; both present must agree."""
+BLOCK_TYPE_CHARS = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
+                    "attention": "*", "mlp": "-", "moe": "E"}
+"""``layers_block_type`` values (transformers >= 5 and their legacy names) -> pattern characters."""
+
+_TARGET_FIELDS = ("hybrid_override_pattern", "layers_block_type", "num_hidden_layers",
+                  "hidden_size", "vocab_size", "architectures")
+
+
+def target_config_dict(target_config: Any) -> Any:
+    """The target facts the checks read, as a dict, from any of the target's encodings.
+
+    A dict (a parsed config.json) is returned as is: the pattern string, ``layers_block_type`` and
+    a nested ``text_config`` are all read from it by the checks. A loaded config object (the
+    ``hf_config`` vLLM built, a transformers ``PretrainedConfig``) is read through its text config's
+    attributes, so the properties transformers >= 5 derives from ``layers_block_type``
+    (``hybrid_override_pattern``, ``num_hidden_layers``) count like fields. Anything else is
+    returned unchanged (and reported by the checks).
+    """
+    if isinstance(target_config, dict) or not hasattr(target_config, "to_dict"):
+        return target_config
+    text = target_config
+    get_text = getattr(target_config, "get_text_config", None)
+    if callable(get_text):
+        try:
+            text = get_text()
+        except Exception:  # a config class without a usable text config: read the top level
+            text = target_config
+    out = {}
+    for key in _TARGET_FIELDS:
+        try:
+            value = getattr(text, key, None)
+        except Exception:  # a property that cannot be computed counts as absent
+            value = None
+        if value is None and key == "architectures":
+            value = getattr(target_config, key, None)
+        if value is not None:
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def target_num_blocks(target_config: Any) -> int:
+    """Number of blocks of the target (a config.json dict or a loaded config object): the length
+    of ``layers_block_type`` (transformers >= 5), else of ``hybrid_override_pattern``, else
+    ``num_hidden_layers``; a pattern and ``num_hidden_layers`` both present must agree."""
     problems: list[str] = []
     blocks = _target_blocks(target_config, problems)
     if problems or blocks is None:
@@ -350,11 +391,14 @@ def target_num_blocks(target_config: dict) -> int:
 
 
 def _target_text_config(target_config: Any, problems: list[str]) -> dict | None:
+    target_config = target_config_dict(target_config)
     if not isinstance(target_config, dict):
         problems.append(f"target config: expected a JSON object, found {_jtype(target_config)}")
         return None
     text = target_config.get("text_config")
-    if isinstance(text, dict) and "hybrid_override_pattern" not in target_config:
+    if isinstance(text, dict) and not any(
+        k in target_config for k in ("hybrid_override_pattern", "layers_block_type")
+    ):
         return text
     return target_config
 
@@ -364,6 +408,18 @@ def _target_blocks(target_config: Any, problems: list[str]) -> int | None:
     if tc is None:
         return None
     f = _Fields(tc, problems, "target.")
+    block_types = f.get("layers_block_type", _str_list)
+    if block_types is not None:
+        unknown = sorted({t for t in block_types if t not in BLOCK_TYPE_CHARS})
+        if unknown or not block_types:
+            problems.append(
+                f"`target.layers_block_type`: expected a non-empty list of "
+                f"{sorted(BLOCK_TYPE_CHARS)}, found {_show(unknown or block_types)}"
+            )
+            return None
+        # transformers >= 5 derives the pattern and the layer count from this list and ignores
+        # a stale num_hidden_layers, so the list alone counts the blocks.
+        return len(block_types)
     pattern = f.get("hybrid_override_pattern", _str)
     layers = f.get("num_hidden_layers", _pos_int)
     if pattern is not None and layers is not None and len(pattern) != layers:
@@ -374,10 +430,11 @@ def _target_blocks(target_config: Any, problems: list[str]) -> int | None:
         return None
     if pattern is not None:
         return len(pattern)
-    if layers is None and not f.has("hybrid_override_pattern") and not f.has("num_hidden_layers"):
+    if layers is None and not any(f.has(k) for k in ("hybrid_override_pattern",
+                                                     "num_hidden_layers", "layers_block_type")):
         problems.append(
-            "target config: missing both `hybrid_override_pattern` and `num_hidden_layers` "
-            "(cannot count the target's blocks)"
+            "target config: missing `layers_block_type`, `hybrid_override_pattern` and "
+            "`num_hidden_layers` (cannot count the target's blocks)"
         )
     return layers
 
@@ -624,7 +681,8 @@ def validate_against_target(spec: DraftSpec, target_config: dict) -> None:
 
 
 def check_against_target(spec: DraftSpec, target_config: Any) -> tuple[list[str], list[str]]:
-    """(problems, warnings) of the draft against the target's config.json.
+    """(problems, warnings) of the draft against the target: its config.json as a dict, or the
+    config object vLLM loaded (:func:`target_config_dict` reads every encoding).
 
     * aux ids: aux id k is the target's residual stream after block k-1 (0 = embedding output),
       so ids must lie in 1..N with N the number of blocks (``len(hybrid_override_pattern)`` or
@@ -634,6 +692,7 @@ def check_against_target(spec: DraftSpec, target_config: Any) -> tuple[list[str]
     """
     problems: list[str] = []
     warnings: list[str] = []
+    target_config = target_config_dict(target_config)
     tc = _target_text_config(target_config, problems)
     blocks = _target_blocks(target_config, problems) if tc is not None else None
     if blocks is not None:

@@ -29,10 +29,16 @@ def add_parser(sub) -> None:
     )
     parser.add_argument("draft", metavar="DRAFT",
                         help="draft checkpoint: a local directory (or its config.json), or a "
-                             "Hugging Face id already in the local cache")
+                             "Hugging Face id (from the local cache; with the Hub on, its config "
+                             "files are downloaded and its tensor headers read remotely, never "
+                             "its weights)")
+    parser.add_argument("--revision", metavar="REV", default=None,
+                        help="the draft's revision on the Hub (branch, tag or commit)")
     parser.add_argument("--target", metavar="TARGET",
-                        help="target checkpoint (directory, config.json or cached id): check the "
-                             "aux hidden-state ids, vocab and hidden size against it")
+                        help="target checkpoint (directory, config.json or Hugging Face id): "
+                             "check the aux hidden-state ids, vocab and hidden size against it")
+    parser.add_argument("--target-revision", metavar="REV", default=None,
+                        help="the target's revision on the Hub")
     parser.add_argument("-k", "--num-speculative-tokens", type=int, metavar="N", default=None,
                         help="gamma to check against the draft's trained block size "
                              "(default: the draft's own default)")
@@ -45,7 +51,9 @@ def run(args) -> int:
 
     try:
         report = inspect_checkpoint(args.draft, target=args.target,
-                                    num_speculative_tokens=args.num_speculative_tokens)
+                                    num_speculative_tokens=args.num_speculative_tokens,
+                                    revision=args.revision,
+                                    target_revision=args.target_revision)
         if not args.json and "checkpoint" not in report and len(report["problems"]) == 1:
             # Nothing could be read (e.g. no such draft): one line, no report.
             print(f"vllm-nemotron-spec inspect: {report['problems'][0]}", file=sys.stderr)
@@ -84,6 +92,9 @@ def _print_text(report: dict) -> None:
     if ckpt is not None:
         where = ", ".join(ckpt["files"]) or "no weight files"
         lines.append(("checkpoint", f"{where}: {ckpt['num_tensors']} tensors (headers only)"))
+    if report.get("weights_checked"):
+        lines.append(("headers", ("not read: " if report["weights_deferred"] else "from ")
+                      + report["weights_checked"]))
     if report.get("serve_command"):
         lines.append(("serve", report["serve_command"]))
     width = max(len(k) for k, _ in lines)

@@ -24,19 +24,18 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
+from vllm_nemotron_spec.target_hook import checked_weights
 
 ARCHITECTURE = "DFlashNemotron35DraftModel"
 
 
 def draft_spec_from_vllm_config(vllm_config: VllmConfig) -> DraftSpec:
-    """The draft's DraftSpec, parsed from its config.json (the path vLLM loads it from)."""
-    from vllm_nemotron_spec.checkpoint.inspect import local_checkpoint_path
+    """The draft's DraftSpec, parsed from its config.json as vLLM loaded it (local path, or the
+    cache at the draft's revision)."""
+    from vllm_nemotron_spec.checkpoint.inspect import vllm_draft_config
 
-    draft = vllm_config.speculative_config.draft_model_config.model
-    local = local_checkpoint_path(draft)
-    if local is None:
-        raise DraftSpecError([f"draft {draft!r}: config.json not found locally"])
-    return DraftSpec.from_pretrained(local)
+    draft_config = vllm_config.speculative_config.draft_model_config
+    return DraftSpec.from_config(vllm_draft_config(draft_config), path=draft_config.model)
 
 
 class Nemotron35DFlashForCausalLM(DFlashQwen3ForCausalLM):
@@ -46,7 +45,13 @@ class Nemotron35DFlashForCausalLM(DFlashQwen3ForCausalLM):
         spec = draft_spec_from_vllm_config(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.draft_spec = spec
+        self.draft_model_config = vllm_config.speculative_config.draft_model_config
         check_built_model_matches_spec(self, spec, vllm_config)
+
+    def load_weights(self, weights):
+        """vLLM's loading, after the tensor headers are checked when start-up could not."""
+        return super().load_weights(
+            checked_weights(self.draft_spec, self.draft_model_config, weights))
 
 
 def check_built_model_matches_spec(

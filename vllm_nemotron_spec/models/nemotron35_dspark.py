@@ -46,6 +46,7 @@ from vllm_nemotron_spec.models.nemotron35_dflash import (
     check_built_model_matches_spec,
     draft_spec_from_vllm_config,
 )
+from vllm_nemotron_spec.target_hook import checked_weights
 
 logger = logging.getLogger("vllm.nemotron_spec.dspark")  # under "vllm": printed by its handler
 
@@ -61,13 +62,15 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         spec = draft_spec_from_vllm_config(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.draft_spec = spec
+        self.draft_model_config = vllm_config.speculative_config.draft_model_config
         check_built_model_matches_spec(self, spec, vllm_config, source=ARCHITECTURE)
         check_dspark_modules(self, spec)
         self._packed_markov_w2: dict[str, torch.Tensor] = {}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """vLLM's loading, keeping a copy of ``markov_w2``'s packed NVFP4 tensors for the fused walk
-        (the linear method re-lays them out for its GEMM kernel after loading)."""
+        (the linear method re-lays them out for its GEMM kernel after loading); the tensor headers
+        are checked first when start-up could not."""
 
         device = self.model.markov_head.markov_w1.weight.device
         keep = device.type == "cuda" and self.draft_spec.is_quantized("markov_head.markov_w2")
@@ -78,7 +81,8 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
                     self._packed_markov_w2[name[len(_MARKOV_W2):]] = tensor.to(device, copy=True)
                 yield name, tensor
 
-        return super().load_weights(keep_markov_w2(weights))
+        return super().load_weights(keep_markov_w2(
+            checked_weights(self.draft_spec, self.draft_model_config, weights)))
 
     def sample_sequential(self, speculator, num_reqs: int, head_hidden: torch.Tensor) -> bool:
         """vLLM 0.33 ``DSparkSpeculator`` hook: run the greedy Markov walk fused; False (nothing
