@@ -21,7 +21,6 @@ ready; about 2 minutes per KV dtype on 2 cores.
 from __future__ import annotations
 
 import json
-import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

@@ -41,7 +41,7 @@ class _CudaLike:
 
 
 def test_fused_walk_runs_for_greedy_drafts_on_cuda(monkeypatch):
-    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
     assert _declined(_greedy_speculator(), _CudaLike()) is None
 
 
@@ -52,21 +52,23 @@ def test_fused_walk_runs_for_greedy_drafts_on_cuda(monkeypatch):
     ({"acceptance_estimator": object()}, "acceptance estimator"),
 ])
 def test_cases_the_fused_walk_does_not_compute_go_to_vllms_loop(override, reason, monkeypatch):
-    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
     assert reason in _declined(_greedy_speculator(**override), _CudaLike())
 
 
 def test_cpu_env_switch_and_missing_packed_weights_are_named(monkeypatch):
-    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
     assert "CUDA only" in _declined(_greedy_speculator(), torch.zeros(2))
     assert "weight_scale_2" in _declined(_greedy_speculator(), _CudaLike(),
                                          packed={"weight": 1, "weight_scale": 1})
     monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "0")
     assert dspark.FUSED_MARKOV_ENV in _declined(_greedy_speculator(), _CudaLike())
+    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV)  # the default: vLLM's loop
+    assert "not 1" in _declined(_greedy_speculator(), _CudaLike())
 
 
 def test_without_the_anchor_patch_vllms_loop_runs(monkeypatch):
-    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
     monkeypatch.setattr(dspark.v2_dspark_anchor_ids, "installed", lambda: False)
     assert "patch v2_dspark_anchor_ids" in _declined(_greedy_speculator(), _CudaLike())
 

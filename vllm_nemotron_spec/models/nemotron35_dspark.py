@@ -21,12 +21,14 @@ this class reuses it and adds what the official checkpoints need around it:
 The query layout (``sample_from_anchor``) and the Markov walk belong to the proposer
 (``proposers/dspark.py`` on vLLM's V1 runner; vLLM's ``DSparkSpeculator`` on the V2 runner, which
 reads the same flag), not to the model. One exception: vLLM 0.33's ``DSparkSpeculator`` asks the
-model for a ``sample_sequential`` of its own; for greedy drafting on CUDA this model answers with
-the fused Markov walk (``kernels/markov.py``: base logits + NVFP4 bias + argmax in one pass a step,
-the ``[B, V]`` bias never written), reading ``markov_w2`` in the checkpoint's packed form, kept at
-load (36 MiB at the real shape). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0`` turns it off (A/B
-benchmarks); every other case (sampling, top-k drafting, confidence heads, acceptance estimation,
-CPU) returns to vLLM's loop.
+model for a ``sample_sequential`` of its own. By default this model declines, so vLLM's own
+Markov loop runs: served at Lightning widths on the H200 (``benchmarks/gpu_multiturn.py``,
+DSpark 3), the fused walk made the whole step slower than vLLM's loop (TPOT 1.84 vs 1.65 ms at
+concurrency 1, 8.5 vs 6.2 ms at 16; benchmarks/RESULTS.md). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1``
+opts in to the fused walk (``kernels/markov.py``: base logits + NVFP4 bias + argmax in one pass a
+step, the ``[B, V]`` bias never written; ``markov_w2`` kept packed at load, 36 MiB at the real
+shape) for greedy drafting on CUDA; every other case (sampling, top-k drafting, confidence
+heads, acceptance estimation, CPU) runs vLLM's loop either way.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         are checked first when start-up could not."""
 
         device = self.model.markov_head.markov_w1.weight.device
-        keep = device.type == "cuda" and self.draft_spec.is_quantized("markov_head.markov_w2")
+        keep = (device.type == "cuda" and os.environ.get(FUSED_MARKOV_ENV, "0") == "1"
+                and self.draft_spec.is_quantized("markov_head.markov_w2"))
 
         def keep_markov_w2(items):
             for name, tensor in items:
@@ -108,8 +111,8 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
 
     def fused_walk_declined(self, speculator, head_hidden: torch.Tensor) -> str | None:
         """Why the fused walk cannot run this step (None: it can)."""
-        if os.environ.get(FUSED_MARKOV_ENV, "1") == "0":
-            return f"{FUSED_MARKOV_ENV}=0"
+        if os.environ.get(FUSED_MARKOV_ENV, "0") != "1":
+            return f"{FUSED_MARKOV_ENV} is not 1 (the default: measured slower inside the engine)"
         if not head_hidden.is_cuda:
             return f"hidden states on {head_hidden.device.type}, the fused walk is CUDA only"
         missing = {"weight", "weight_scale", "weight_scale_2"} - set(self._packed_markov_w2)
