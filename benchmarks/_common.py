@@ -29,8 +29,8 @@ for _p in (str(REPO), str(BENCH_DIR)):
 # The package's serving client (kept to these names so that a move of these helpers is a
 # one-line change here).
 from vllm_nemotron_spec.bench import client as http
-from vllm_nemotron_spec.bench import server as serve
 from vllm_nemotron_spec.bench import parse_prometheus_text, spec_counters_from_metrics
+from vllm_nemotron_spec.bench import server as serve
 from vllm_nemotron_spec.runs import SpecCounters
 
 PREFIX_FLAGS = ("--enable-prefix-caching", "--mamba-cache-mode", "align")
@@ -105,8 +105,17 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             pass
     try:
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30, check=False).stdout.strip().splitlines()
+        q = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
         if q:
             out["gpu"], out["driver"] = [x.strip() for x in q[0].split(",", 1)]
     except (OSError, subprocess.SubprocessError):
@@ -136,13 +145,29 @@ def launcher_prefix(launcher: str = "auto") -> list[str]:
     raise ValueError(f"launcher must be auto, vllm or passthrough, not {launcher!r}")
 
 
-def launch(model: str, log_path: str | Path, *, args=(), speculative_config: dict | None = None,
-           plugin: bool = True, launcher: str = "auto", env: dict | None = None) -> serve.Server:
+def launch(
+    model: str,
+    log_path: str | Path,
+    *,
+    args=(),
+    speculative_config: dict | None = None,
+    plugin: bool = True,
+    launcher: str = "auto",
+    env: dict | None = None,
+) -> serve.Server:
     """Start ``vllm serve MODEL`` on 127.0.0.1 without waiting (``serve.wait_ready``), in its
     own process group. ``plugin=False`` runs vLLM alone (``VLLM_PLUGINS=""`` loads no general
     plugin)."""
     port = serve.free_port()
-    cmd = [*launcher_prefix(launcher), "serve", str(model), "--host", serve.HOST, "--port", str(port)]
+    cmd = [
+        *launcher_prefix(launcher),
+        "serve",
+        str(model),
+        "--host",
+        serve.HOST,
+        "--port",
+        str(port),
+    ]
     if speculative_config is not None:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     cmd += [str(a) for a in args]
@@ -155,8 +180,14 @@ def launch(model: str, log_path: str | Path, *, args=(), speculative_config: dic
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env,
-                                start_new_session=True, cwd=str(REPO))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+            cwd=str(REPO),
+        )
     server = serve.Server(proc, f"http://{serve.HOST}:{port}", log_path, cmd)
     server.extra["launched"] = time.monotonic()
     return server
@@ -169,8 +200,10 @@ def served_model(url: str) -> str:
     return json.loads(text)["data"][0]["id"]
 
 
-_BACKEND_LINE = re.compile(r"(Using \S+ (attention )?backend|attention backend|[Mm]amba.*backend|"
-                           r"FlashInfer|FLASHINFER|nemotron-spec|nemotron_spec)")
+_BACKEND_LINE = re.compile(
+    r"(Using \S+ (attention )?backend|attention backend|[Mm]amba.*backend|"
+    r"FlashInfer|FLASHINFER|nemotron-spec|nemotron_spec)"
+)
 
 
 def backend_lines(log: str, limit: int = 30) -> list[str]:
@@ -208,33 +241,50 @@ class Snapshot:
         spec = None
         if self.spec is not None:
             spec = self.spec.minus(before.spec or SpecCounters())
-        hist = {k: [v[0] - before.histograms.get(k, [0, 0])[0], v[1] - before.histograms.get(k, [0, 0])[1]]
-                for k, v in self.histograms.items()}
-        return Snapshot(self.prefix_queries - before.prefix_queries,
-                        self.prefix_hits - before.prefix_hits,
-                        self.preemptions - before.preemptions,
-                        self.prompt_tokens - before.prompt_tokens,
-                        self.generation_tokens - before.generation_tokens, spec, self.cache_config, hist)
+        hist = {
+            k: [
+                v[0] - before.histograms.get(k, [0, 0])[0],
+                v[1] - before.histograms.get(k, [0, 0])[1],
+            ]
+            for k, v in self.histograms.items()
+        }
+        return Snapshot(
+            self.prefix_queries - before.prefix_queries,
+            self.prefix_hits - before.prefix_hits,
+            self.preemptions - before.preemptions,
+            self.prompt_tokens - before.prompt_tokens,
+            self.generation_tokens - before.generation_tokens,
+            spec,
+            self.cache_config,
+            hist,
+        )
 
     @property
     def hit_rate(self) -> float | None:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
 
     def to_json(self) -> dict:
-        out = {"prefix_cache_queries": int(self.prefix_queries), "prefix_cache_hits": int(self.prefix_hits),
-               "prefix_hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
-               "preemptions": int(self.preemptions), "prompt_tokens": int(self.prompt_tokens),
-               "generation_tokens": int(self.generation_tokens)}
+        out = {
+            "prefix_cache_queries": int(self.prefix_queries),
+            "prefix_cache_hits": int(self.prefix_hits),
+            "prefix_hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
+            "preemptions": int(self.preemptions),
+            "prompt_tokens": int(self.prompt_tokens),
+            "generation_tokens": int(self.generation_tokens),
+        }
         for name, key in HISTOGRAMS.items():
             total, count = self.histograms.get(name, (0, 0))
             if count:
                 out[key] = round(total / count * 1e3, 3)
         if self.spec is not None:
             mal = self.spec.mean_acceptance_length
-            out.update(num_drafts=self.spec.num_drafts, num_draft_tokens=self.spec.num_draft_tokens,
-                       num_accepted_tokens=self.spec.num_accepted_tokens,
-                       mean_acceptance_length=None if mal is None else round(mal, 4),
-                       per_position_acceptance=[round(x, 4) for x in self.spec.per_position_acceptance])
+            out.update(
+                num_drafts=self.spec.num_drafts,
+                num_draft_tokens=self.spec.num_draft_tokens,
+                num_accepted_tokens=self.spec.num_accepted_tokens,
+                mean_acceptance_length=None if mal is None else round(mal, 4),
+                per_position_acceptance=[round(x, 4) for x in self.spec.per_position_acceptance],
+            )
         return out
 
 
@@ -251,8 +301,14 @@ HISTOGRAMS = {
     "vllm:inter_token_latency_seconds": "server_itl_ms",
 }
 """Server-side latency histograms (their mean over a delta: _sum / _count)."""
-CACHE_INFO_KEYS = ("block_size", "cache_dtype", "enable_prefix_caching", "mamba_cache_mode",
-                   "num_gpu_blocks", "mamba_block_size")
+CACHE_INFO_KEYS = (
+    "block_size",
+    "cache_dtype",
+    "enable_prefix_caching",
+    "mamba_cache_mode",
+    "num_gpu_blocks",
+    "mamba_block_size",
+)
 
 
 def parse_snapshot(text: str) -> Snapshot:

@@ -87,12 +87,18 @@ NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", required=True, help="directory for result.json and result.md")
-    p.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU (Triton interpreter)")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shapes; runs on CPU (Triton interpreter)"
+    )
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda, or cpu with --smoke when no GPU")  # fmt: skip
-    p.add_argument("--batches", default=None, help="comma-separated (default 1,2,4,8,16,32; smoke 1,2)")
+    p.add_argument(
+        "--batches", default=None, help="comma-separated (default 1,2,4,8,16,32; smoke 1,2)"
+    )
     p.add_argument("--gammas", default=None, help="comma-separated (default 3,7; smoke 3)")
     p.add_argument("--reps", type=int, default=None, help="timed samples (default 20; smoke 2)")
     p.add_argument("--inner", type=int, default=None, help="calls per sample (default 10; smoke 1)")
@@ -228,7 +234,9 @@ def load_nvfp4(layer, shards: list[nvfp4.NVFP4Weight], merged: bool):
 def dense_layer(cls, *args, device, dtype, seed, **kw):
     layer = cls(*args, bias=False, quant_config=None, params_dtype=dtype, return_bias=False, **kw)
     g = torch.Generator(device=device).manual_seed(seed)
-    layer.weight.data = (0.02 * torch.randn(layer.weight.shape, generator=g, device=device)).to(dtype)
+    layer.weight.data = (0.02 * torch.randn(layer.weight.shape, generator=g, device=device)).to(
+        dtype
+    )
     layer.quant_method.process_weights_after_loading(layer)
     return layer
 
@@ -242,8 +250,12 @@ class Backbone:
         try:
             self._build_vllm(qc)
         except Exception as exc:  # noqa: BLE001
-            print(f"  backbone: vLLM layers failed ({type(exc).__name__}: {exc}); bf16 F.linear instead")
-            self.kind = f"bf16 F.linear (vLLM layers failed: {type(exc).__name__}: {str(exc)[:300]})"
+            print(
+                f"  backbone: vLLM layers failed ({type(exc).__name__}: {exc}); bf16 F.linear instead"
+            )
+            self.kind = (
+                f"bf16 F.linear (vLLM layers failed: {type(exc).__name__}: {str(exc)[:300]})"
+            )
             self._build_plain()
 
     def _build_vllm(self, qc):
@@ -272,7 +284,9 @@ class Backbone:
                                  random_nvfp4(s.intermediate, s.hidden, dev, 50 + i)], merged=True)  # fmt: skip
             down = RowParallelLinear(s.intermediate, s.hidden, bias=False, quant_config=qc, params_dtype=dt,
                                      return_bias=False, prefix=f"bench.{i}.down")  # fmt: skip
-            down = load_nvfp4(down, [random_nvfp4(s.hidden, s.intermediate, dev, 60 + i)], merged=False)
+            down = load_nvfp4(
+                down, [random_nvfp4(s.hidden, s.intermediate, dev, 60 + i)], merged=False
+            )
             self.layers.append((kv, qkv, o, gu, down))
 
     def _build_plain(self):
@@ -285,9 +299,13 @@ class Backbone:
 
         self.fc = lin(s.hidden, s.aux * s.hidden, 1)
         self.layers = [
-            (lin(2 * s.kv, s.hidden, 10 + i), lin(s.q + 2 * s.kv, s.hidden, 20 + i),
-             lin(s.hidden, s.q, 30 + i), lin(2 * s.intermediate, s.hidden, 40 + i),
-             lin(s.hidden, s.intermediate, 60 + i))  # fmt: skip
+            (
+                lin(2 * s.kv, s.hidden, 10 + i),
+                lin(s.q + 2 * s.kv, s.hidden, 20 + i),
+                lin(s.hidden, s.q, 30 + i),
+                lin(2 * s.intermediate, s.hidden, 40 + i),
+                lin(s.hidden, s.intermediate, 60 + i),
+            )  # fmt: skip
             for i in range(s.layers)
         ]
 
@@ -338,7 +356,9 @@ class MarkovSetup:
         self.w1 = (0.5 * torch.randn(s.vocab, s.rank, generator=g, device=device)).to(dtype)
         self.q = quantized_gaussian(s.vocab, s.rank, device, seed=8, std=0.05)
         self.gs = self.q.weight_scale_2.reshape(1).to(torch.float32).to(device)
-        self.w2_f32 = nvfp4.dequantize(self.q.weight, self.q.weight_scale, self.gs, dtype=torch.float32)
+        self.w2_f32 = nvfp4.dequantize(
+            self.q.weight, self.q.weight_scale, self.gs, dtype=torch.float32
+        )
         self.w2_bf16 = self.w2_f32.to(dtype)
         self.w1_perm = {p: mk.permute_w1_columns(self.w1, p) for p in (2, 4, 8)}
         self.vllm_head, self.vllm_lp, self.vllm_kind = self._vllm_head(qc_plugin)
@@ -435,7 +455,11 @@ class MarkovSetup:
                     else:
                         mismatches += 1
             prev = got.long()
-        return {"steps": int(U.shape[0] * U.shape[1]), "mismatches": mismatches, "near_ties": near_ties}
+        return {
+            "steps": int(U.shape[0] * U.shape[1]),
+            "mismatches": mismatches,
+            "near_ties": near_ties,
+        }
 
     def walk_floor_bytes(self, batch: int, gamma: int, weights: str, logits_bytes: int = 0) -> int:
         s = self.s
@@ -493,10 +517,14 @@ def fused_candidates(mk, s: Shapes, batch: int, only_default: bool, smoke: bool 
                                      block_k=r_half, num_warps=4 if bb == 16 else 8)  # fmt: skip
     out["previous-default-partials"] = previous
     if smoke:  # the interpreter is slow: one other variant
-        out["bf16-v64-k32"] = mk.MarkovKernelConfig(variant="bf16", block_b=bb, block_v=64, block_k=32)
+        out["bf16-v64-k32"] = mk.MarkovKernelConfig(
+            variant="bf16", block_b=bb, block_v=64, block_k=32
+        )
         return out
     if r_half % 64 == 0 and r_half <= 256 and default.block_k != r_half:
-        out["fp16x2-onechunk"] = replace(default, block_k=r_half)  # embeddings hoisted (spills a bit)
+        out["fp16x2-onechunk"] = replace(
+            default, block_k=r_half
+        )  # embeddings hoisted (spills a bit)
     out["fp16x2-v128-w8"] = replace(default, block_v=128, num_warps=8)
     out["fp16-v128-k128"] = mk.MarkovKernelConfig(variant="fp16", block_b=bb, block_v=128,
                                                   block_k=min(128, r_half), num_warps=8)  # fmt: skip
@@ -545,7 +573,9 @@ def environment(device: torch.device, args) -> dict:
         except Exception as exc:  # noqa: BLE001
             env["driver"] = f"unknown ({type(exc).__name__})"
     else:
-        env.update(cpu=platform.processor() or platform.machine(), torch_threads=torch.get_num_threads())
+        env.update(
+            cpu=platform.processor() or platform.machine(), torch_threads=torch.get_num_threads()
+        )
     return env
 
 
@@ -567,7 +597,9 @@ def markdown(result: dict) -> str:
               "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in result["rows"]:
         if "us" not in r:
-            lines.append(f"| {r['part']} | {r['batch']} | {r['gamma']} | | error | | | | {r.get('error', '')[:120]} |")
+            lines.append(
+                f"| {r['part']} | {r['batch']} | {r['gamma']} | | error | | | | {r.get('error', '')[:120]} |"
+            )
             continue
         lines.append(
             f"| {r['part']} | {r['batch']} | {r['gamma']} | {r.get('m', '')} | {r['us']:.1f} | "
@@ -578,7 +610,9 @@ def markdown(result: dict) -> str:
     if len(fused) > 8:  # a sweep: the fastest launch configs of each shape
         lines += ["", "Fastest fused launch configs per shape (us; vs the default config):", ""]
         for key in sorted({(r["batch"], r["gamma"]) for r in fused}):
-            rows = sorted((r for r in fused if (r["batch"], r["gamma"]) == key), key=lambda r: r["us"])
+            rows = sorted(
+                (r for r in fused if (r["batch"], r["gamma"]) == key), key=lambda r: r["us"]
+            )
             default = next((r["us"] for r in rows if r["part"].endswith(" default")), None)
             ranked = ", ".join(
                 f"{r['part'].removeprefix('markov (c) fused ')} {r['us']:.1f}"
@@ -604,13 +638,17 @@ def markdown(result: dict) -> str:
 def main() -> int:
     args = ARGS if ARGS is not None else parse_args()
     cuda = torch.cuda.is_available()
-    device = torch.device(args.device or ("cuda" if cuda and not (args.smoke and not cuda) else "cpu"))
+    device = torch.device(
+        args.device or ("cuda" if cuda and not (args.smoke and not cuda) else "cpu")
+    )
     if device.type == "cuda" and not cuda:
         raise SystemExit("--device cuda but no GPU")
     if device.type == "cpu" and not args.smoke:
         print("warning: real shapes on CPU (the Triton interpreter) take very long; use --smoke")
     s = SMOKE if args.smoke else REAL
-    batches = [int(b) for b in (args.batches or ("1,2" if args.smoke else "1,2,4,8,16,32")).split(",")]
+    batches = [
+        int(b) for b in (args.batches or ("1,2" if args.smoke else "1,2,4,8,16,32")).split(",")
+    ]
     gammas = [int(g) for g in (args.gammas or ("3" if args.smoke else "3,7")).split(",")]
     reps = args.reps or (2 if args.smoke else 20)
     inner = args.inner or (1 if args.smoke else 10)
@@ -643,7 +681,9 @@ def main() -> int:
         try:
             us, how = timer(fn)
             floor_us = floor_bytes / args.bandwidth * 1e6
-            row.update(us=us, timing=how, floor_bytes=floor_bytes, floor_us=floor_us, ratio=us / floor_us)
+            row.update(
+                us=us, timing=how, floor_bytes=floor_bytes, floor_us=floor_us, ratio=us / floor_us
+            )
             print(f"  {part:28s} B={batch:3d} gamma={gamma} M={m!s:>5}: {us:9.1f} us  floor {floor_us:8.1f} us"
                   f"  x{us / floor_us:6.2f}  [{how}]")  # fmt: skip
         except Exception as exc:  # noqa: BLE001
@@ -671,7 +711,9 @@ def main() -> int:
                 with torch.device(device):
                     head = ParallelLMHead(s.vocab, s.hidden, bias=False, quant_config=qc, params_dtype=dtype,
                                           prefix="bench.lm_head", disable_tp=True)  # fmt: skip
-                lm_nvfp4 = load_nvfp4(head, [random_nvfp4(s.vocab, s.hidden, device, 4)], merged=False)
+                lm_nvfp4 = load_nvfp4(
+                    head, [random_nvfp4(s.vocab, s.hidden, device, 4)], merged=False
+                )
             except Exception as exc:  # noqa: BLE001
                 print(f"  lm_head NVFP4 unavailable: {type(exc).__name__}: {exc}")
                 result["lm_head_nvfp4_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -695,7 +737,10 @@ def main() -> int:
                     floor = s.vocab * s.hidden * 2 + m * (s.hidden + s.vocab) * 2
                     record("lm_head bf16", batch, gamma, m, lambda h=h: F.linear(h, lm_w), floor)
                     if lm_nvfp4 is not None:
-                        floor4 = s.vocab * s.hidden * NVFP4_BYTES_PER_WEIGHT + m * (s.hidden + s.vocab) * 2
+                        floor4 = (
+                            s.vocab * s.hidden * NVFP4_BYTES_PER_WEIGHT
+                            + m * (s.hidden + s.vocab) * 2
+                        )
                         record("lm_head nvfp4 (ref)", batch, gamma, m,
                                lambda h=h: lm_nvfp4.quant_method.apply(lm_nvfp4, h), int(floor4))  # fmt: skip
                 if markov is not None:
@@ -754,7 +799,9 @@ def run_markov(markov: MarkovSetup, mk, s, batch, gamma, device, dtype, record, 
         record(label, batch, gamma, batch, fn, floor, notes=notes)
     best = None
     only = args.configs.split(",") if args.configs else None
-    for name, cfg in fused_candidates(mk, s, batch, args.no_candidates, args.smoke, args.sweep, only).items():
+    for name, cfg in fused_candidates(
+        mk, s, batch, args.no_candidates, args.smoke, args.sweep, only
+    ).items():
         label = f"markov (c) fused {name}"
         fn = lambda cfg=cfg: markov.walk_fused(U, anchor, tokens, cfg)  # noqa: E731
         try:

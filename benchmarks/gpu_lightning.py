@@ -69,8 +69,6 @@ Writes results.json, results.md, logs/<run>.log and runs/<run>.json to --out (sm
 from __future__ import annotations
 
 import argparse
-
-from vllm_nemotron_spec.checkpoint import layout
 import json
 import os
 import statistics
@@ -80,6 +78,8 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from vllm_nemotron_spec.checkpoint import layout
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -277,7 +277,9 @@ def write_draft(out: Path, kind: str, target_cfg: dict, params, cache: dict) -> 
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / layout.WEIGHTS_FILE), metadata={"format": "pt"})
     (out / layout.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (out / layout.HF_QUANT_CONFIG_FILE).write_text(json.dumps(layout.hf_quant_config(kind), indent=2) + "\n")
+    (out / layout.HF_QUANT_CONFIG_FILE).write_text(
+        json.dumps(layout.hf_quant_config(kind), indent=2) + "\n"
+    )
     return config
 
 
@@ -289,9 +291,15 @@ def build_models(models_dir: Path, smoke: bool, depth: int, dtype: str) -> dict:
              "target": asdict(widths) if hasattr(widths, "__dataclass_fields__") else str(widths),
              "moe": moe, "draft": asdict(params), "version": 3}  # fmt: skip
     stamp_file = models_dir / "build.json"
-    paths = {"target": models_dir / "target", "dflash": models_dir / "dflash", "dspark": models_dir / "dspark"}
-    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp and all(
-        (p / "config.json").is_file() for p in paths.values()
+    paths = {
+        "target": models_dir / "target",
+        "dflash": models_dir / "dflash",
+        "dspark": models_dir / "dspark",
+    }
+    if (
+        stamp_file.is_file()
+        and json.loads(stamp_file.read_text()) == stamp
+        and all((p / "config.json").is_file() for p in paths.values())
     ):
         print(f"models: reusing {models_dir}")
         return {k: str(v) for k, v in paths.items()}
@@ -316,7 +324,12 @@ TIMED_DRAFT_CALLS = (
     # step (DSparkSpeculator inherits it; its Markov walk is _sample_sequential); the V1 runner
     # calls GPUModelRunner.propose_draft_token_ids.
     ("vllm.v1.worker.gpu.spec_decode.dflash.speculator", "DFlashSpeculator", "propose", 0),
-    ("vllm.v1.worker.gpu.spec_decode.dspark.speculator", "DSparkSpeculator", "_sample_sequential", 1),
+    (
+        "vllm.v1.worker.gpu.spec_decode.dspark.speculator",
+        "DSparkSpeculator",
+        "_sample_sequential",
+        1,
+    ),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids", 0),
 )
 
@@ -355,7 +368,10 @@ class DraftStepTimer:
                 if torch.cuda.is_current_stream_capturing():
                     return original(self_, *args, **kwargs)
                 drain()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
                 out = original(self_, *args, **kwargs)
                 end.record()
@@ -453,21 +469,31 @@ def child_main(spec_file: str) -> int:
 
         def prompts(n, seed):
             rng = random.Random(seed)
-            return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(in_len)]} for _ in range(n)]
+            return [
+                {"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(in_len)]}
+                for _ in range(n)
+            ]
 
         def params(max_tokens):
-            return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+            )
 
         t0 = time.perf_counter()
-        llm.generate(prompts(max(spec["concurrency"]), 999), params(spec["warmup_tokens"]), use_tqdm=False)
+        llm.generate(
+            prompts(max(spec["concurrency"]), 999), params(spec["warmup_tokens"]), use_tqdm=False
+        )
         result["warmup_s"] = round(time.perf_counter() - t0, 1)
+
         def measure(conc: int) -> dict:
             before = read_spec_counters(llm)
             timed_before = timer.snapshot() if timer else None
             t0 = time.perf_counter()
             outs = llm.generate(prompts(conc, conc), params(out_len), use_tqdm=False)
             wall = time.perf_counter() - t0
-            step_timing = DraftStepTimer.per_step(timed_before, timer.snapshot(), wall) if timer else {}
+            step_timing = (
+                DraftStepTimer.per_step(timed_before, timer.snapshot(), wall) if timer else {}
+            )
             counters = read_spec_counters(llm).minus(before)
             n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             tpots, ttfts = [], []
@@ -592,7 +618,9 @@ def engine_kwargs(args, target: str, spec: RunSpec) -> dict:
         disable_log_stats=False, enforce_eager=args.eager,
     )  # fmt: skip
     if not args.eager:  # capture only the batch sizes this benchmark runs (faster start-up)
-        kw["compilation_config"] = {"max_cudagraph_capture_size": max(args.concurrency) * (spec.gamma + 1)}
+        kw["compilation_config"] = {
+            "max_cudagraph_capture_size": max(args.concurrency) * (spec.gamma + 1)
+        }
     return kw
 
 
@@ -622,13 +650,19 @@ def markdown(results: dict) -> str:
         rows = r.get("concurrency") or [None]
         for c in rows:
             if c is None:
-                err = (r.get("error") or r.get("status", ""))[:150].replace("|", "/").replace("\n", " ")
+                err = (
+                    (r.get("error") or r.get("status", ""))[:150]
+                    .replace("|", "/")
+                    .replace("\n", " ")
+                )
                 lines.append(f"| {r['name']} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | | | | | "
                              f"| | | | {r.get('startup_s', '')} | {err} |")  # fmt: skip
                 continue
             tps = c.get("output_tok_s")
             spread = [x for x in c.get("output_tok_s_all") or [] if x]
-            tps_s = f"{tps:.1f}" + (f" [{min(spread):.0f}-{max(spread):.0f}]" if len(spread) > 1 else "")
+            tps_s = f"{tps:.1f}" + (
+                f" [{min(spread):.0f}-{max(spread):.0f}]" if len(spread) > 1 else ""
+            )
             base = plain.get(c["concurrency"])
             speed = f"{tps / base:.2f}" if tps and base else ""
             acc = c.get("mean_acceptance_length")
@@ -638,7 +672,11 @@ def markdown(results: dict) -> str:
             ttft = c.get("ttft_ms")
             draft = c.get("draft_ms_per_step")
             markov = c.get("markov_ms_per_step")
-            draft_s = "" if draft is None else f"{draft:.3f}" + ("" if markov is None else f" ({markov:.3f})")
+            draft_s = (
+                ""
+                if draft is None
+                else f"{draft:.3f}" + ("" if markov is None else f" ({markov:.3f})")
+            )
             wall_step = c.get("wall_ms_per_step")
             lines.append(
                 f"| {r['name']} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | {c['concurrency']} | "
@@ -668,7 +706,9 @@ def parent_main(args) -> int:
         args.input_len = args.input_len or 1024
         args.output_len = args.output_len or 256
     models_dir = Path(args.models_dir) / ("smoke" if args.smoke else f"depth{args.depth}")
-    models = build_models(models_dir, args.smoke, args.depth, "float32" if args.smoke else args.dtype)
+    models = build_models(
+        models_dir, args.smoke, args.depth, "float32" if args.smoke else args.dtype
+    )
     target_cfg = json.loads((Path(models["target"]) / "config.json").read_text())
     if args.build_only:
         return inspect_models(models, out)
@@ -706,15 +746,27 @@ def parent_main(args) -> int:
     longest = 0.0
     for spec in selected:
         result_file = out / "runs" / f"{spec.name}.json"
-        entry = {"name": spec.name, "method": spec.method, "gamma": spec.gamma, "plugin": spec.plugin}
+        entry = {
+            "name": spec.name,
+            "method": spec.method,
+            "gamma": spec.gamma,
+            "plugin": spec.plugin,
+        }
         if spec.method:
             rates, alpha, expected = acceptance_rates(spec.method, spec.gamma)
-            entry.update(synthetic_acceptance_rates=rates, alpha=alpha, expected_acceptance_length=expected)
+            entry.update(
+                synthetic_acceptance_rates=rates, alpha=alpha, expected_acceptance_length=expected
+            )
         fingerprint = {"smoke": args.smoke, "depth": args.depth, "dtype": args.dtype, "eager": args.eager,
                        "input_len": args.input_len, "output_len": args.output_len,
                        "concurrency": args.concurrency, "repeats": args.repeats, "run": entry}  # fmt: skip
         previous = json.loads(result_file.read_text()) if result_file.is_file() else None
-        if previous and previous.get("status") == "ok" and previous.get("fingerprint") == fingerprint and not args.force:
+        if (
+            previous
+            and previous.get("status") == "ok"
+            and previous.get("fingerprint") == fingerprint
+            and not args.force
+        ):
             print(f"[{time.time() - t_start:6.0f}s] {spec.name}: kept from an earlier invocation")
             results["runs"].append({**entry, **previous, "kept": True})
             save()
@@ -728,7 +780,9 @@ def parent_main(args) -> int:
         remaining = args.budget_s - elapsed
         need = max(args.min_run_s, 0.8 * longest)
         if remaining < need:
-            print(f"[{elapsed:6.0f}s] {spec.name}: skipped (budget: {remaining:.0f} s left, a run takes ~{need:.0f} s)")
+            print(
+                f"[{elapsed:6.0f}s] {spec.name}: skipped (budget: {remaining:.0f} s left, a run takes ~{need:.0f} s)"
+            )
             results["runs"].append({**entry, "status": "skipped: time budget"})
             save()
             continue
@@ -753,7 +807,10 @@ def parent_main(args) -> int:
         result_file.unlink(missing_ok=True)
         log = out / "logs" / f"{spec.name}.log"
         timeout = max(30.0, remaining - 5)
-        print(f"[{elapsed:6.0f}s] {spec.name}: starting (timeout {timeout:.0f} s, log {log})", flush=True)
+        print(
+            f"[{elapsed:6.0f}s] {spec.name}: starting (timeout {timeout:.0f} s, log {log})",
+            flush=True,
+        )
         t0 = time.time()
         with open(log, "w") as fh:
             # Own process group: the engine-core process vLLM spawns belongs to it, so a timeout or
@@ -770,7 +827,11 @@ def parent_main(args) -> int:
             _kill_group(proc)
         took = time.time() - t0
         longest = max(longest, took)
-        child = json.loads(result_file.read_text()) if result_file.is_file() else {"status": "no result"}
+        child = (
+            json.loads(result_file.read_text())
+            if result_file.is_file()
+            else {"status": "no result"}
+        )
         if rc != 0 and child.get("status") == "ok":
             child["status"] = f"ok (exit {rc})"
         elif rc != 0 and child.get("status") != "error":
@@ -783,7 +844,10 @@ def parent_main(args) -> int:
         child["run_s"] = round(took, 1)
         results["runs"].append({**entry, **child})
         save()
-        print(f"[{time.time() - t_start:6.0f}s] {spec.name}: {child.get('status')} in {took:.0f} s", flush=True)
+        print(
+            f"[{time.time() - t_start:6.0f}s] {spec.name}: {child.get('status')} in {took:.0f} s",
+            flush=True,
+        )
         for c in child.get("concurrency", []):
             print(f"      conc {c['concurrency']:3d}: {c['output_tok_s']:.1f} tok/s  TPOT {c.get('tpot_ms')} ms  "
                   f"acceptance {c.get('mean_acceptance_length')}")  # fmt: skip
@@ -795,28 +859,46 @@ def parent_main(args) -> int:
     print((out / "results.md").read_text())
     # smoke: plain and our DFlash must run on CPU; the rest may fail there (recorded)
     must = ("plain", "dflash5-ours") if args.smoke else tuple(r.name for r in RUNS)
-    ok = all(str(r.get("status", "")).startswith(("ok", "skipped")) for r in results["runs"] if r["name"] in must)
+    ok = all(
+        str(r.get("status", "")).startswith(("ok", "skipped"))
+        for r in results["runs"]
+        if r["name"] in must
+    )
     return 0 if ok else 1
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", help="output directory (results, logs, models)")
     p.add_argument("--smoke", action="store_true", help="tiny widths on CPU (all code paths)")
-    p.add_argument("--depth", type=int, default=30, help="target blocks (>= 29; 52 = the real model)")
-    p.add_argument("--runs", default=None, help=f"comma-separated subset of {[r.name for r in RUNS]}")
+    p.add_argument(
+        "--depth", type=int, default=30, help="target blocks (>= 29; 52 = the real model)"
+    )
+    p.add_argument(
+        "--runs", default=None, help=f"comma-separated subset of {[r.name for r in RUNS]}"
+    )
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--input-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="measure each concurrency this many times in the same engine; the median "
-                        "run is reported, every run's tok/s and TPOT alongside (default 3)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measure each concurrency this many times in the same engine; the median "
+        "run is reported, every run's tok/s and TPOT alongside (default 3)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--eager", action="store_true", help="enforce_eager (no torch.compile / CUDA graphs)")
+    p.add_argument(
+        "--eager", action="store_true", help="enforce_eager (no torch.compile / CUDA graphs)"
+    )
     p.add_argument("--budget-s", type=float, default=450.0, help="stop starting runs after this")
     p.add_argument("--min-run-s", type=float, default=60.0, help="time a run needs at least")
-    p.add_argument("--force", action="store_true", help="rerun runs that already succeeded in --out")
+    p.add_argument(
+        "--force", action="store_true", help="rerun runs that already succeeded in --out"
+    )
     p.add_argument("--models-dir", default=os.environ.get("LIGHTNING_MODELS_DIR", "/tmp/vllm-nemotron-lightning"),
                    help="where the models are built (kept OUT of --out: the drafts are ~1.2 GB each)")  # fmt: skip
     p.add_argument("--build-only", action="store_true",

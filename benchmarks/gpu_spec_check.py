@@ -37,7 +37,9 @@ def ensure_ct_dflash(bf16_draft: Path, seed: int = 0) -> Path:
 
     from vllm_nemotron_spec.tiny.build import default_cache_dir
 
-    source = hashlib.sha256(b"".join(f.read_bytes() for f in sorted(Path(bf16_draft).glob("*.safetensors"))))
+    source = hashlib.sha256(
+        b"".join(f.read_bytes() for f in sorted(Path(bf16_draft).glob("*.safetensors")))
+    )
     out = default_cache_dir() / f"ct-dflash-nvfp4a16-seed{seed}-{source.hexdigest()[:12]}"
     if (out / "config.json").is_file():
         return out
@@ -58,14 +60,20 @@ def drafts_to_check(seed: int = 0) -> dict[str, tuple[str, Path, int]]:
     return {
         "dflash-trained": ("dflash", trained.dflash, 4),
         "dflash-shifted-layout": ("dflash", trained.dflash_shifted, 4),
-        "dflash-compressed-tensors": ("dflash", ensure_ct_dflash(trained.dflash_unquantized, seed), 4),
+        "dflash-compressed-tensors": (
+            "dflash",
+            ensure_ct_dflash(trained.dflash_unquantized, seed),
+            4,
+        ),
         "dspark-trained": ("dspark", trained.dspark, 3),
         "dspark-wrong-anchor": ("dspark", trained.dspark_wrong_anchor, 3),
     }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--runner", choices=("v1", "v2"), default="v2")
     parser.add_argument("--dtype", default="bfloat16")
@@ -89,9 +97,14 @@ def main() -> int:
     # one long prompt (past several KV blocks)
     prompts[-1] = " ".join(sample_prompts()) * 2
     common = dict(dtype=args.dtype, gpu_memory_utilization=0.25, max_model_len=1024)
-    out = {"vllm_version": vllm.__version__, "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name(0), "dtype": args.dtype, "runner": args.runner,
-           "runs": []}
+    out = {
+        "vllm_version": vllm.__version__,
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0),
+        "dtype": args.dtype,
+        "runner": args.runner,
+        "runs": [],
+    }
 
     llm = make_llm(str(family.target), None, **common)
     plain = generate(llm, prompts, args.max_tokens, "plain")
@@ -111,15 +124,22 @@ def main() -> int:
         except Exception as exc:  # record and go on: one broken run must not hide the others
             out["runs"].append({"method": name, "error": f"{type(exc).__name__}: {exc}"[:2000]})
             continue
-        mismatches = [i for i, (a, b) in enumerate(zip(result.token_ids, plain.token_ids)) if a != b]
-        out["runs"].append({
-            "method": name, "draft": str(draft), "num_speculative_tokens": k,
-            "startup_s": round(startup, 1),
-            "lossless": not mismatches, "mismatching_prompts": mismatches,
-            "mean_acceptance_length": result.counters.mean_acceptance_length,
-            "per_position_acceptance": result.counters.per_position_acceptance,
-            "tokens_per_s": result.tokens_per_s,
-        })
+        mismatches = [
+            i for i, (a, b) in enumerate(zip(result.token_ids, plain.token_ids)) if a != b
+        ]
+        out["runs"].append(
+            {
+                "method": name,
+                "draft": str(draft),
+                "num_speculative_tokens": k,
+                "startup_s": round(startup, 1),
+                "lossless": not mismatches,
+                "mismatching_prompts": mismatches,
+                "mean_acceptance_length": result.counters.mean_acceptance_length,
+                "per_position_acceptance": result.counters.per_position_acceptance,
+                "tokens_per_s": result.tokens_per_s,
+            }
+        )
         print(json.dumps(out["runs"][-1]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"spec_gpu_{args.runner}.json").write_text(json.dumps(out, indent=2))

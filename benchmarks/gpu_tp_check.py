@@ -37,13 +37,16 @@ def _walk_choices(worker):
     from vllm_nemotron_spec.models import nemotron35_dspark
 
     choices = sorted(nemotron35_dspark._WALK_CHOICES_LOGGED, key=str)
-    return {"rank": get_tensor_model_parallel_rank(),
-            "walk": ["fused" if c is None else f"vLLM loop: {c}" for c in choices]}
+    return {
+        "rank": get_tensor_model_parallel_rank(),
+        "walk": ["fused" if c is None else f"vLLM loop: {c}" for c in choices],
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--runner", choices=("v1", "v2"), default="v2")
@@ -68,18 +71,33 @@ def main() -> int:
     drafts = {"plain": None, "dflash": (trained.dflash, 4), "dspark": (trained.dspark, 3)}
     prompts = (sample_prompts() * args.num_prompts)[: args.num_prompts]
     prompts[-1] = " ".join(sample_prompts()) * 2  # one long prompt (past several KV blocks)
-    out = {"vllm_version": vllm.__version__, "torch": torch.__version__,
-           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-           "dtype": args.dtype, "runner": args.runner, "tp": args.tp, "runs": []}
+    out = {
+        "vllm_version": vllm.__version__,
+        "torch": torch.__version__,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "dtype": args.dtype,
+        "runner": args.runner,
+        "tp": args.tp,
+        "runs": [],
+    }
     results, ok = {}, True
     for tp in dict.fromkeys((1, args.tp)):
         for method, draft in drafts.items():
-            spec = None if draft is None else {
-                "method": method, "model": str(draft[0]), "num_speculative_tokens": draft[1]}
+            spec = (
+                None
+                if draft is None
+                else {"method": method, "model": str(draft[0]), "num_speculative_tokens": draft[1]}
+            )
             row = {"tp": tp, "method": method}
             try:
-                llm = make_llm(str(family.target), spec, dtype=args.dtype, max_model_len=1024,
-                               gpu_memory_utilization=0.25, tensor_parallel_size=tp)
+                llm = make_llm(
+                    str(family.target),
+                    spec,
+                    dtype=args.dtype,
+                    max_model_len=1024,
+                    gpu_memory_utilization=0.25,
+                    tensor_parallel_size=tp,
+                )
                 try:
                     result = generate(llm, prompts, args.max_tokens, method)
                     if method == "dspark":
@@ -107,7 +125,8 @@ def main() -> int:
                 base = results.get((1, method))
                 if tp != 1 and base is not None and c.mean_acceptance_length is not None:
                     row["acceptance_minus_tp1"] = (
-                        c.mean_acceptance_length - base.counters.mean_acceptance_length)
+                        c.mean_acceptance_length - base.counters.mean_acceptance_length
+                    )
             out["runs"].append(row)
             print(json.dumps(row), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

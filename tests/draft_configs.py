@@ -22,21 +22,51 @@ NEMOTRON35_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 """52 blocks: 23 Mamba-2 M, 23 MoE E, 6 attention * (the doc's counts; the order is not in the
 doc)."""
 
-FULL = dict(hidden=2688, layers=6, heads=32, kv_heads=2, head_dim=128, inter=6144, vocab=131072,
-            target_ids=NEMOTRON35_TARGET_LAYER_IDS, mask=990, window=1024, block=8, rank=512)
-SMALL = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, inter=96, vocab=512,
-             target_ids=[0, 3], mask=500, window=16, block=4, rank=32)
+FULL = dict(
+    hidden=2688,
+    layers=6,
+    heads=32,
+    kv_heads=2,
+    head_dim=128,
+    inter=6144,
+    vocab=131072,
+    target_ids=NEMOTRON35_TARGET_LAYER_IDS,
+    mask=990,
+    window=1024,
+    block=8,
+    rank=512,
+)
+SMALL = dict(
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    inter=96,
+    vocab=512,
+    target_ids=[0, 3],
+    mask=500,
+    window=16,
+    block=4,
+    rank=32,
+)
 """Scaled down: hidden 64, 2 layers; a 4-block target (aux ids [1, 4]: 4 = after the last block)."""
 SMALL_PATTERN = "M*ME"
 
 
 def _exclusions(dspark: bool) -> list[str]:
     out = [
-        "embed_tokens", "hidden_norm", "norm",
-        "layers.*.input_layernorm", "layers.*.post_attention_layernorm",
-        "layers.*.self_attn.q_proj", "layers.*.self_attn.k_proj",
-        "layers.*.self_attn.v_proj", "layers.*.self_attn.o_proj",
-        "layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm",
+        "embed_tokens",
+        "hidden_norm",
+        "norm",
+        "layers.*.input_layernorm",
+        "layers.*.post_attention_layernorm",
+        "layers.*.self_attn.q_proj",
+        "layers.*.self_attn.k_proj",
+        "layers.*.self_attn.v_proj",
+        "layers.*.self_attn.o_proj",
+        "layers.*.self_attn.q_norm",
+        "layers.*.self_attn.k_norm",
     ]
     if dspark:
         out += ["layers.*.self_attn.attention_sink_bias", "markov_head.markov_w1"]
@@ -80,52 +110,59 @@ def _common(s: dict, dspark: bool) -> dict:
 def dflash_config(s: dict = FULL) -> dict:
     """The official ``...-NVFP4-DFlash`` config.json (``s=SMALL``: the same schema, scaled down)."""
     cfg = _common(s, dspark=False)
-    cfg.update({
-        "architectures": ["DFlashDraftModel"],
-        "layer_types": ["full_attention"] * s["layers"],
-        "rope_theta": 10000.0,
-        "rope_scaling": {"rope_type": "yarn", "factor": 128.0,
-                         "original_max_position_embeddings": 8192},
-        "max_position_embeddings": 8192 * 128,  # not in the doc
-        "sliding_window": None,  # not in the doc
-        "use_sliding_window": False,  # not in the doc
-        "dflash_config": {
-            "causal": False,
-            "mask_token_id": s["mask"],
-            "target_layer_ids": list(s["target_ids"]),
-            "use_swa": False,
-            "sample_from_anchor": False,
-            "attention_sink_bias": False,
-        },
-    })
+    cfg.update(
+        {
+            "architectures": ["DFlashDraftModel"],
+            "layer_types": ["full_attention"] * s["layers"],
+            "rope_theta": 10000.0,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 128.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "max_position_embeddings": 8192 * 128,  # not in the doc
+            "sliding_window": None,  # not in the doc
+            "use_sliding_window": False,  # not in the doc
+            "dflash_config": {
+                "causal": False,
+                "mask_token_id": s["mask"],
+                "target_layer_ids": list(s["target_ids"]),
+                "use_swa": False,
+                "sample_from_anchor": False,
+                "attention_sink_bias": False,
+            },
+        }
+    )
     return cfg
 
 
 def dspark_config(s: dict = FULL) -> dict:
     """The official ``...-NVFP4-DSpark`` config.json (``s=SMALL``: scaled down)."""
     cfg = _common(s, dspark=True)
-    cfg.update({
-        "architectures": ["Qwen3DSparkModel"],
-        "layer_types": ["sliding_attention"] * s["layers"],
-        "sliding_window": s["window"],
-        "use_sliding_window": True,  # not in the doc
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "max_position_embeddings": 262144,  # not in the doc
-        "block_size": s["block"],
-        "dspark_bonus_anchor": True,
-        "markov_head_type": "vanilla",
-        "markov_rank": s["rank"],
-        "dflash_config": {
-            "causal": True,
-            "use_swa": True,
-            "swa_window_size": s["window"],
-            "attention_sink_bias": True,
-            "mask_token_id": s["mask"],  # "..." in the doc
-            "target_layer_ids": list(s["target_ids"]),  # "..." in the doc
-            "sample_from_anchor": False,
-        },
-    })
+    cfg.update(
+        {
+            "architectures": ["Qwen3DSparkModel"],
+            "layer_types": ["sliding_attention"] * s["layers"],
+            "sliding_window": s["window"],
+            "use_sliding_window": True,  # not in the doc
+            "rope_theta": 10000.0,
+            "rope_scaling": None,
+            "max_position_embeddings": 262144,  # not in the doc
+            "block_size": s["block"],
+            "dspark_bonus_anchor": True,
+            "markov_head_type": "vanilla",
+            "markov_rank": s["rank"],
+            "dflash_config": {
+                "causal": True,
+                "use_swa": True,
+                "swa_window_size": s["window"],
+                "attention_sink_bias": True,
+                "mask_token_id": s["mask"],  # "..." in the doc
+                "target_layer_ids": list(s["target_ids"]),  # "..." in the doc
+                "sample_from_anchor": False,
+            },
+        }
+    )
     return cfg
 
 
@@ -227,10 +264,12 @@ def module_layout(cfg: dict, quantized: bool = True) -> list[tuple[str, str, tup
     dspark = "markov_rank" in cfg
     sinks = cfg.get("dflash_config", {}).get("attention_sink_bias", False)
     q = "nvfp4" if quantized else "dense"
-    out = [("embed_tokens.weight", "dense", (vocab, h)),
-           ("fc", q, (h, naux * h)),
-           ("hidden_norm.weight", "dense", (h,)),
-           ("norm.weight", "dense", (h,))]
+    out = [
+        ("embed_tokens.weight", "dense", (vocab, h)),
+        ("fc", q, (h, naux * h)),
+        ("hidden_norm.weight", "dense", (h,)),
+        ("norm.weight", "dense", (h,)),
+    ]
     for i in range(L):
         p = f"layers.{i}."
         out += [
@@ -249,8 +288,10 @@ def module_layout(cfg: dict, quantized: bool = True) -> list[tuple[str, str, tup
         if sinks:
             out.append((p + "self_attn.attention_sink_bias", "dense", (nh,)))
     if dspark:
-        out += [("markov_head.markov_w1.weight", "dense", (vocab, cfg["markov_rank"])),
-                ("markov_head.markov_w2", q, (vocab, cfg["markov_rank"]))]
+        out += [
+            ("markov_head.markov_w1.weight", "dense", (vocab, cfg["markov_rank"])),
+            ("markov_head.markov_w2", q, (vocab, cfg["markov_rank"])),
+        ]
     return out
 
 
@@ -261,9 +302,11 @@ def tensor_headers(layout) -> list[tuple[str, str, tuple[int, ...]]]:
     for name, kind, shape in layout:
         if kind == "nvfp4":
             o, i = shape
-            out += [(f"{name}.weight", "U8", (o, i // 2)),
-                    (f"{name}.weight_scale", "F8_E4M3", (o, i // 16)),
-                    (f"{name}.weight_scale_2", "F32", ())]
+            out += [
+                (f"{name}.weight", "U8", (o, i // 2)),
+                (f"{name}.weight_scale", "F8_E4M3", (o, i // 16)),
+                (f"{name}.weight_scale_2", "F32", ()),
+            ]
         elif name.endswith((".weight", "attention_sink_bias")):
             out.append((name, "BF16", shape))
         else:
@@ -280,8 +323,11 @@ def write_header_only(path: str, tensors) -> None:
     header, offset = {}, 0
     for name, dtype, shape in tensors:
         size = math.prod(shape) * _BYTES[dtype]
-        header[name] = {"dtype": dtype, "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
@@ -290,8 +336,16 @@ def write_header_only(path: str, tensors) -> None:
         f.truncate(8 + len(raw) + offset)
 
 
-def write_draft(directory: str, cfg: dict, *, real: bool = True, shards: int = 1,
-                quantized: bool | None = None, tensors_hook=None, seed: int = 0) -> str:
+def write_draft(
+    directory: str,
+    cfg: dict,
+    *,
+    real: bool = True,
+    shards: int = 1,
+    quantized: bool | None = None,
+    tensors_hook=None,
+    seed: int = 0,
+) -> str:
     """Write ``config.json`` and weights for ``cfg``.
 
     ``real``: actual tensors via ``safetensors.torch.save_file`` (NVFP4 ones from
@@ -312,8 +366,11 @@ def write_draft(directory: str, cfg: dict, *, real: bool = True, shards: int = 1
     if tensors_hook is not None:
         entries = list(tensors_hook(dict(entries)).items()) if real else tensors_hook(entries)
     n = max(1, shards)
-    files = ["model.safetensors"] if n == 1 else \
-        [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    files = (
+        ["model.safetensors"]
+        if n == 1
+        else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    )
     chunks = [entries[k::n] for k in range(n)]
     for file, chunk in zip(files, chunks):
         path = os.path.join(directory, file)

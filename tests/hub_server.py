@@ -45,8 +45,11 @@ class LoopbackHub:
         for repo, revisions in repos.items():
             self.repos[repo] = {}
             for name, source in revisions.items():
-                files = source if isinstance(source, dict) else {
-                    p.name: p.read_bytes() for p in Path(source).iterdir() if p.is_file()}
+                files = (
+                    source
+                    if isinstance(source, dict)
+                    else {p.name: p.read_bytes() for p in Path(source).iterdir() if p.is_file()}
+                )
                 self.repos[repo][name] = Revision(files)
         self.served: Counter = Counter()
         self.refuse_ranges = False  # True: ranged GETs answer 500 (no remote header reads)
@@ -100,8 +103,11 @@ class LoopbackHub:
                     self.wfile.write(body)
 
             def _error(self, code, message, commit=None, head=False):
-                headers = {"X-Error-Code": code, "X-Error-Message": message,
-                           "Content-Type": "application/json"}
+                headers = {
+                    "X-Error-Code": code,
+                    "X-Error-Message": message,
+                    "Content-Type": "application/json",
+                }
                 if commit:
                     headers["X-Repo-Commit"] = commit
                 status = 404
@@ -143,15 +149,31 @@ class LoopbackHub:
             def _info(self, repo, rev):
                 r = self._lookup(repo, rev)
                 if r is not None:
-                    self._json({"id": repo, "modelId": repo, "sha": r.commit, "private": False,
-                                "siblings": [{"rfilename": n} for n in sorted(r.files)]})
+                    self._json(
+                        {
+                            "id": repo,
+                            "modelId": repo,
+                            "sha": r.commit,
+                            "private": False,
+                            "siblings": [{"rfilename": n} for n in sorted(r.files)],
+                        }
+                    )
 
             def _tree(self, repo, rev, sub):
                 r = self._lookup(repo, rev)
                 if r is not None:
-                    self._json([{"type": "file", "path": n, "size": len(b),
-                                 "oid": hashlib.sha1(b).hexdigest()}
-                                for n, b in sorted(r.files.items()) if sub in ("/", "")])
+                    self._json(
+                        [
+                            {
+                                "type": "file",
+                                "path": n,
+                                "size": len(b),
+                                "oid": hashlib.sha1(b).hexdigest(),
+                            }
+                            for n, b in sorted(r.files.items())
+                            if sub in ("/", "")
+                        ]
+                    )
 
             def _file(self, repo, rev, name, head):
                 r = self._lookup(repo, rev, head)
@@ -160,9 +182,12 @@ class LoopbackHub:
                 if name not in r.files:
                     return self._error("EntryNotFound", f"{name} not found", r.commit, head)
                 data = r.files[name]
-                headers = {"X-Repo-Commit": r.commit, "Accept-Ranges": "bytes",
-                           "ETag": '"' + hashlib.sha256(data).hexdigest() + '"',
-                           "Content-Type": "application/octet-stream"}
+                headers = {
+                    "X-Repo-Commit": r.commit,
+                    "Accept-Ranges": "bytes",
+                    "ETag": '"' + hashlib.sha256(data).hexdigest() + '"',
+                    "Content-Type": "application/octet-stream",
+                }
                 status, body = 200, data
                 rng = self.headers.get("Range")
                 if rng and hub.refuse_ranges and not head:
@@ -171,7 +196,7 @@ class LoopbackHub:
                 if m and not head:
                     start = int(m[1])
                     end = min(int(m[2]) if m[2] else len(data) - 1, len(data) - 1)
-                    body = data[start:end + 1]
+                    body = data[start : end + 1]
                     status = 206
                     headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
                 headers["Content-Length"] = str(len(body) if not head else len(data))

@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import draft_configs as dc  # noqa: E402
 
-from vllm_nemotron_spec import patches, attention  # noqa: E402
+from vllm_nemotron_spec import attention, patches  # noqa: E402
 from vllm_nemotron_spec.attention import (  # noqa: E402
     FLASH_ATTN,
     FLASHINFER,
@@ -35,7 +35,11 @@ MATRIX = [
     # --- no device: nothing, whatever else is asked
     ("cpu-target-only", dict(capability=CPU), (None, None, None)),
     ("cpu-dflash", dict(capability=CPU, **DFLASH), (None, None, None)),
-    ("cpu-dspark-explicit", dict(capability=CPU, user_backend="TRITON_ATTN", **DSPARK), (None, None, None)),
+    (
+        "cpu-dspark-explicit",
+        dict(capability=CPU, user_backend="TRITON_ATTN", **DSPARK),
+        (None, None, None),
+    ),
     # --- Blackwell datacenter (SM100 / SM103): TRT-LLM for the target and causal drafts
     ("sm100-target-only", dict(capability=SM100), (FLASHINFER, True, None)),
     ("sm103-target-only", dict(capability=SM103), (FLASHINFER, True, None)),
@@ -63,14 +67,22 @@ MATRIX = [
     ("sm100-draft-model", dict(capability=SM100, method="draft_model"), (FLASHINFER, True, None)),
     ("sm100-ngram", dict(capability=SM100, method="ngram"), (FLASHINFER, True, None)),
     ("sm100-suffix", dict(capability=SM100, method="suffix"), (FLASHINFER, True, None)),
-    ("sm100-fp8-kv", dict(capability=SM100, kv_cache_dtype="fp8", **DSPARK), (FLASHINFER, True, FLASHINFER)),
+    (
+        "sm100-fp8-kv",
+        dict(capability=SM100, kv_cache_dtype="fp8", **DSPARK),
+        (FLASHINFER, True, FLASHINFER),
+    ),
     (
         "sm100-fp8-e4m3-kv",
         dict(capability=SM100, kv_cache_dtype="fp8_e4m3", **DFLASH),
         (FLASHINFER, True, FLASH_ATTN),
     ),
     # --- explicit target choices: the whole target side is left alone, the draft still decided
-    ("sm100-explicit-target-backend", dict(capability=SM100, user_backend="TRITON_ATTN"), (None, None, None)),
+    (
+        "sm100-explicit-target-backend",
+        dict(capability=SM100, user_backend="TRITON_ATTN"),
+        (None, None, None),
+    ),
     (
         "sm100-explicit-target-backend-dspark",
         dict(capability=SM100, user_backend="FLASH_ATTN", **DSPARK),
@@ -91,8 +103,16 @@ MATRIX = [
         dict(capability=SM100, user_backend_per_kind=("full_attention",)),
         (None, None, None),
     ),
-    ("sm100-explicit-flash-attn-version", dict(capability=SM100, user_flash_attn_version=4), (None, None, None)),
-    ("sm100-explicit-trtllm-false", dict(capability=SM100, user_use_trtllm_attention=False), (None, None, None)),
+    (
+        "sm100-explicit-flash-attn-version",
+        dict(capability=SM100, user_flash_attn_version=4),
+        (None, None, None),
+    ),
+    (
+        "sm100-explicit-trtllm-false",
+        dict(capability=SM100, user_use_trtllm_attention=False),
+        (None, None, None),
+    ),
     (
         "sm100-explicit-trtllm-false-dspark",
         dict(capability=SM100, user_use_trtllm_attention=False, **DSPARK),
@@ -126,16 +146,35 @@ MATRIX = [
     ),
     (
         "sm100-explicit-both",
-        dict(capability=SM100, user_backend="FLASH_ATTN", user_draft_backend="TRITON_ATTN", **DSPARK),
+        dict(
+            capability=SM100, user_backend="FLASH_ATTN", user_draft_backend="TRITON_ATTN", **DSPARK
+        ),
         (None, None, None),
     ),
     # --- SM10x cases outside what the pins were checked for: vLLM's own fallbacks
-    ("sm100-batch-invariant", dict(capability=SM100, batch_invariant=True, **DSPARK), (None, None, None)),
-    ("sm100-e5m2-kv", dict(capability=SM100, kv_cache_dtype="fp8_e5m2", **DFLASH), (None, None, None)),
-    ("sm100-nvfp4-kv", dict(capability=SM100, kv_cache_dtype="nvfp4", **DSPARK), (None, None, None)),
+    (
+        "sm100-batch-invariant",
+        dict(capability=SM100, batch_invariant=True, **DSPARK),
+        (None, None, None),
+    ),
+    (
+        "sm100-e5m2-kv",
+        dict(capability=SM100, kv_cache_dtype="fp8_e5m2", **DFLASH),
+        (None, None, None),
+    ),
+    (
+        "sm100-nvfp4-kv",
+        dict(capability=SM100, kv_cache_dtype="nvfp4", **DSPARK),
+        (None, None, None),
+    ),
     (
         "sm100-target-turboquant-draft-bf16",
-        dict(capability=SM100, kv_cache_dtype="turboquant_k8v4", draft_kv_cache_dtype="auto", **DFLASH),
+        dict(
+            capability=SM100,
+            kv_cache_dtype="turboquant_k8v4",
+            draft_kv_cache_dtype="auto",
+            **DFLASH,
+        ),
         (None, None, FLASH_ATTN),
     ),
     (
@@ -148,7 +187,11 @@ MATRIX = [
     ("sm90-dflash", dict(capability=SM90, **DFLASH), (None, None, None)),
     ("sm90-dspark", dict(capability=SM90, **DSPARK), (None, None, None)),
     ("sm90-mtp", dict(capability=SM90, method="mtp"), (None, None, None)),
-    ("sm90-fp8-kv-dspark", dict(capability=SM90, kv_cache_dtype="fp8", **DSPARK), (None, None, None)),
+    (
+        "sm90-fp8-kv-dspark",
+        dict(capability=SM90, kv_cache_dtype="fp8", **DSPARK),
+        (None, None, None),
+    ),
     # --- consumer Blackwell and others: vLLM's defaults
     ("sm120-target-only", dict(capability=SM120), (None, None, None)),
     ("sm121-target-only", dict(capability=SM121), (None, None, None)),
@@ -178,7 +221,10 @@ def test_matrix_ids_are_unique():
 @pytest.mark.parametrize(
     "inputs, expected_in_reason",
     [
-        (dict(capability=SM100, user_backend="TRITON_ATTN"), "attention_config.backend=TRITON_ATTN"),
+        (
+            dict(capability=SM100, user_backend="TRITON_ATTN"),
+            "attention_config.backend=TRITON_ATTN",
+        ),
         (dict(capability=SM100, user_use_trtllm_attention=False), "use_trtllm_attention=False"),
         (
             dict(capability=SM100, user_draft_backend="TRITON_ATTN", **DFLASH),
@@ -226,7 +272,9 @@ def test_inputs_and_decision_are_frozen_and_pure():
 
 @pytest.mark.parametrize("bad", [(10,), (10, 0, 0), "sm100", (10.0, 0), 100])
 def test_capability_must_be_a_major_minor_pair(bad):
-    with pytest.raises(ValueError, match=r"AttentionInputs.capability: expected None or a \(major, minor\)"):
+    with pytest.raises(
+        ValueError, match=r"AttentionInputs.capability: expected None or a \(major, minor\)"
+    ):
         AttentionInputs(capability=bad)
 
 
@@ -250,7 +298,13 @@ def _hf(cfg: dict):
         (dc.zlab_qwen3_dflash_config(), (False, False, None)),
         (dc.generic_dspark_config(), (False, False, None)),
     ],
-    ids=["nemotron-dflash", "nemotron-dspark", "nemotron-dspark-small", "zlab-dflash", "generic-dspark"],
+    ids=[
+        "nemotron-dflash",
+        "nemotron-dspark",
+        "nemotron-dspark-small",
+        "zlab-dflash",
+        "generic-dspark",
+    ],
 )
 def test_draft_attention_facts(cfg, expected):
     assert attention._draft_attention_facts(_hf(cfg)) == expected
@@ -327,7 +381,10 @@ def model_dirs(tmp_path_factory):
         dirs[name] = str(root / name)
     # Nemotron 3.5 drafts are checked as a whole at start-up (config and tensor headers), so they
     # need weights; the header-only writer makes them without materialising any tensor.
-    for name, config in [("dflash", dc.dflash_config(dc.SMALL)), ("dspark", dc.dspark_config(dc.SMALL))]:
+    for name, config in [
+        ("dflash", dc.dflash_config(dc.SMALL)),
+        ("dspark", dc.dspark_config(dc.SMALL)),
+    ]:
         dirs[name] = dc.write_draft(str(root / name), config, real=False)
     return dirs
 

@@ -25,16 +25,44 @@ from vllm_nemotron_spec.prompts import PromptSet
 from vllm_nemotron_spec.runs import SpecCounters
 
 RUN_KEYS = {
-    "label", "method", "draft", "num_speculative_tokens", "status", "error", "num_prompts",
-    "output_tokens", "seconds", "tokens_per_s", "speedup_vs_plain", "mean_tpot_ms",
-    "mean_ttft_ms", "timing_source", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-    "draft_acceptance_rate", "mean_acceptance_length", "accepted_per_position",
-    "per_position_acceptance", "acceptance_histogram", "acceptance_histogram_source",
-    "matches_plain", "first_mismatching_prompt",
+    "label",
+    "method",
+    "draft",
+    "num_speculative_tokens",
+    "status",
+    "error",
+    "num_prompts",
+    "output_tokens",
+    "seconds",
+    "tokens_per_s",
+    "speedup_vs_plain",
+    "mean_tpot_ms",
+    "mean_ttft_ms",
+    "timing_source",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "draft_acceptance_rate",
+    "mean_acceptance_length",
+    "accepted_per_position",
+    "per_position_acceptance",
+    "acceptance_histogram",
+    "acceptance_histogram_source",
+    "matches_plain",
+    "first_mismatching_prompt",
 }
 REPORT_KEYS = {
-    "schema", "mode", "vllm_version", "platform", "model", "prompts", "max_tokens",
-    "temperature", "ignore_eos", "reference", "runs",
+    "schema",
+    "mode",
+    "vllm_version",
+    "platform",
+    "model",
+    "prompts",
+    "max_tokens",
+    "temperature",
+    "ignore_eos",
+    "reference",
+    "runs",
 }
 
 
@@ -76,22 +104,29 @@ def test_parse_method_spec_errors(text, message):
 
 def test_resolve_methods_without_family():
     got = bench.resolve_methods([MethodSpec("plain"), MethodSpec("ngram")])
-    assert got == [MethodSpec("plain", label="plain"),
-                   MethodSpec("ngram", None, bench.DEFAULT_NGRAM_TOKENS, label="ngram")]
-    with pytest.raises(BenchError,
-                       match=r"dflash: needs a draft checkpoint: dflash:DRAFT_DIR\[:K\]"):
+    assert got == [
+        MethodSpec("plain", label="plain"),
+        MethodSpec("ngram", None, bench.DEFAULT_NGRAM_TOKENS, label="ngram"),
+    ]
+    with pytest.raises(
+        BenchError, match=r"dflash: needs a draft checkpoint: dflash:DRAFT_DIR\[:K\]"
+    ):
         bench.resolve_methods([MethodSpec("dflash")])
     with pytest.raises(BenchError, match=r"eagle3:/e: give the number of drafted tokens"):
         bench.resolve_methods([MethodSpec("eagle3", "/e")])
 
 
 def test_labels_are_unique_and_say_what_differs():
-    specs = [MethodSpec("ngram", None, 3), MethodSpec("ngram", None, 5),
-             MethodSpec("eagle3", "/a/x", 2), MethodSpec("eagle3", "/b/y", 2),
-             MethodSpec("plain"), MethodSpec("plain")]
+    specs = [
+        MethodSpec("ngram", None, 3),
+        MethodSpec("ngram", None, 5),
+        MethodSpec("eagle3", "/a/x", 2),
+        MethodSpec("eagle3", "/b/y", 2),
+        MethodSpec("plain"),
+        MethodSpec("plain"),
+    ]
     labels = [s.label for s in _with_labels(specs)]
-    assert labels == ["ngram k=3", "ngram k=5", "eagle3 k=2 x", "eagle3 k=2 y", "plain",
-                      "plain #2"]
+    assert labels == ["ngram k=3", "ngram k=5", "eagle3 k=2 x", "eagle3 k=2 y", "plain", "plain #2"]
 
 
 # ---- counters -> acceptance -------------------------------------------------------------------
@@ -99,8 +134,12 @@ def test_labels_are_unique_and_say_what_differs():
 
 def test_histogram_from_counters():
     # 10 drafting steps, K=3: 2 steps accepted 0, 3 accepted 1, 1 accepted 2, 4 accepted all 3.
-    c = SpecCounters(num_drafts=10, num_draft_tokens=30, num_accepted_tokens=3 + 2 * 1 + 3 * 4,
-                     accepted_per_position=[8, 5, 4])
+    c = SpecCounters(
+        num_drafts=10,
+        num_draft_tokens=30,
+        num_accepted_tokens=3 + 2 * 1 + 3 * 4,
+        accepted_per_position=[8, 5, 4],
+    )
     hist = histogram_from_counters(c)
     assert hist == [2, 3, 1, 4]
     assert sum(hist) == c.num_drafts
@@ -118,10 +157,15 @@ def metrics_text(model="m", drafts=0, draft_tokens=0, accepted=0, per_pos=(), en
     labels = ["model_name", "engine"]
     made = {}
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-        made[name] = prometheus_client.Counter(f"vllm:spec_decode_{name}", "help", labels,
-                                               registry=registry)
-    per = prometheus_client.Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "help",
-                                    labels + ["position"], registry=registry)
+        made[name] = prometheus_client.Counter(
+            f"vllm:spec_decode_{name}", "help", labels, registry=registry
+        )
+    per = prometheus_client.Counter(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "help",
+        labels + ["position"],
+        registry=registry,
+    )
     other = prometheus_client.Counter("vllm:generation_tokens", "help", labels, registry=registry)
     for engine in engines:
         made["num_drafts"].labels(model, engine).inc(drafts)
@@ -178,26 +222,58 @@ def test_parse_server_spec_refuses_other_hosts():
 
 
 def fake_runs():
-    plain = RunStats("plain", "plain", num_prompts=2, output_tokens=40, seconds=2.0,
-                     tpot_ms=[50.0, 50.0], ttft_ms=[10.0, 12.0], timing_source="request_metrics",
-                     token_ids=[[1] * 20, [2] * 20])
+    plain = RunStats(
+        "plain",
+        "plain",
+        num_prompts=2,
+        output_tokens=40,
+        seconds=2.0,
+        tpot_ms=[50.0, 50.0],
+        ttft_ms=[10.0, 12.0],
+        timing_source="request_metrics",
+        token_ids=[[1] * 20, [2] * 20],
+    )
     c = SpecCounters(10, 30, 17, [8, 5, 4])
-    spec = RunStats("dflash", "dflash", "/d", 3, num_prompts=2, output_tokens=40, seconds=1.0,
-                    tpot_ms=[20.0, 30.0], ttft_ms=[10.0, 10.0], timing_source="request_metrics",
-                    counters=c, histogram=histogram_from_counters(c),
-                    histogram_source="per_position_counters",
-                    token_ids=[[1] * 20, [2] * 19 + [3]])
-    missing = RunStats("dspark", "dspark", "/s", 8, status="unsupported", num_prompts=2,
-                       error="Model Runner V1 does not support: dspark speculative decoding")
+    spec = RunStats(
+        "dflash",
+        "dflash",
+        "/d",
+        3,
+        num_prompts=2,
+        output_tokens=40,
+        seconds=1.0,
+        tpot_ms=[20.0, 30.0],
+        ttft_ms=[10.0, 10.0],
+        timing_source="request_metrics",
+        counters=c,
+        histogram=histogram_from_counters(c),
+        histogram_source="per_position_counters",
+        token_ids=[[1] * 20, [2] * 19 + [3]],
+    )
+    missing = RunStats(
+        "dspark",
+        "dspark",
+        "/s",
+        8,
+        status="unsupported",
+        num_prompts=2,
+        error="Model Runner V1 does not support: dspark speculative decoding",
+    )
     return [plain, spec, missing]
 
 
 def fake_report(**kw):
     return bench.make_report(
-        fake_runs(), mode="offline", model="/x/target",
+        fake_runs(),
+        mode="offline",
+        model="/x/target",
         prompts=PromptSet(("a", "b"), "tiny-family"),
-        num_prompts=2, max_tokens=20, temperature=kw.get("temperature", 0.0), ignore_eos=True,
-        platform="cpu", vllm_version="0.32.0",
+        num_prompts=2,
+        max_tokens=20,
+        temperature=kw.get("temperature", 0.0),
+        ignore_eos=True,
+        platform="cpu",
+        vllm_version="0.32.0",
     )
 
 
@@ -233,8 +309,10 @@ def test_format_report():
     row = next(line for line in lines if line.startswith("dflash "))
     assert "2.00x" in row and "2.70" in row and "NO (prompt 1)" in row
     assert any(line.startswith("plain ") and "(reference)" in line for line in lines)
-    assert ("dspark  unsupported on this platform: Model Runner V1 does not support: dspark "
-            "speculative decoding") in text
+    assert (
+        "dspark  unsupported on this platform: Model Runner V1 does not support: dspark "
+        "speculative decoding"
+    ) in text
     assert "from per position counters" in text
     hist_row = lines[-3]
     assert hist_row.split() == ["dflash", "2", "3", "1", "4"]
@@ -250,8 +328,12 @@ def test_plot_report(tmp_path):
 
 
 def test_execution_order_runs_ngram_last():
-    specs = [MethodSpec("plain"), MethodSpec("ngram", None, 3), MethodSpec("dflash", "/d", 5),
-             MethodSpec("ngram", None, 5)]
+    specs = [
+        MethodSpec("plain"),
+        MethodSpec("ngram", None, 3),
+        MethodSpec("dflash", "/d", 5),
+        MethodSpec("ngram", None, 5),
+    ]
     assert bench.execution_order(specs) == [0, 2, 1, 3]
 
 
@@ -262,10 +344,12 @@ def test_classify_start_error():
         "    For further information visit https://errors.pydantic.dev/2.14/v/value_error"
     )
     assert bench.classify_start_error(pydantic_style) == (
-        "unsupported", "Model Runner V1 does not support: dspark speculative decoding"
+        "unsupported",
+        "Model Runner V1 does not support: dspark speculative decoding",
     )
     assert bench.classify_start_error(NotImplementedError("no")) == (
-        "unsupported", "NotImplementedError: no"
+        "unsupported",
+        "NotImplementedError: no",
     )
     assert bench.classify_start_error(RuntimeError("boom\nmore"))[0] == "error"
     assert bench.classify_start_error(RuntimeError("boom\nmore"))[1] == "RuntimeError: boom"
@@ -319,15 +403,21 @@ class FakeVllmServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                         daemon=True).start()
+        threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        ).start()
 
     def metrics(self) -> str:
         if self.k is None:
             return "# HELP vllm:generation_tokens_total x\nvllm:generation_tokens_total 1.0\n"
         c = self.counters
-        return metrics_text("fake-model", c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens,
-                            c.accepted_per_position)
+        return metrics_text(
+            "fake-model",
+            c.num_drafts,
+            c.num_draft_tokens,
+            c.num_accepted_tokens,
+            c.accepted_per_position,
+        )
 
     def stream(self, body):
         n, prompt = body["max_tokens"], body["prompt"]
@@ -345,7 +435,7 @@ class FakeVllmServer:
                     for p in range(a):
                         c.accepted_per_position[p] += 1
                 hist[a] += 1
-            chunks.append(tokens[i:i + 1 + a])
+            chunks.append(tokens[i : i + 1 + a])
             i += 1 + a
             step += 1
         for ids in chunks:
@@ -377,8 +467,15 @@ def test_run_server_against_fake_servers(fake_servers):
     plain, spec = fake_servers(), fake_servers(k=3)
     servers = [parse_server_spec(f"plain={plain.url}"), parse_server_spec(f"dflash={spec.url}")]
     prompts = ["p1", "p2", "p3"]
-    runs, models = bench.run_server(servers, prompts, max_tokens=10, max_concurrency=2,
-                                    ignore_eos=True, progress=False, metrics_settle_s=0.5)
+    runs, models = bench.run_server(
+        servers,
+        prompts,
+        max_tokens=10,
+        max_concurrency=2,
+        ignore_eos=True,
+        progress=False,
+        metrics_settle_s=0.5,
+    )
     assert models == {"plain": "fake-model", "dflash": "fake-model"}
     # The warm-up request is not counted: deltas cover the 3 measured requests only.
     p, s = runs
@@ -389,11 +486,19 @@ def test_run_server_against_fake_servers(fake_servers):
     # Each request: first token, then steps accepting 2, 0, 1, 2 (capped by max_tokens): 10 tokens.
     assert s.counters == SpecCounters(12, 36, 15, [9, 6, 0])
     assert s.histogram == [3, 3, 6, 0] and s.histogram_source == "per_position_counters"
-    assert all(body["stream"] and body["return_token_ids"] and body["ignore_eos"]
-               for body in spec.requests)
+    assert all(
+        body["stream"] and body["return_token_ids"] and body["ignore_eos"] for body in spec.requests
+    )
     report = bench.make_report(
-        runs, mode="server", model="fake-model", prompts=PromptSet(tuple(prompts), "x"),
-        num_prompts=3, max_tokens=10, temperature=0.0, ignore_eos=True, platform="server",
+        runs,
+        mode="server",
+        model="fake-model",
+        prompts=PromptSet(tuple(prompts), "x"),
+        num_prompts=3,
+        max_tokens=10,
+        temperature=0.0,
+        ignore_eos=True,
+        platform="server",
         vllm_version="0.32.0",
     )
     r = report["runs"][1]
@@ -404,17 +509,27 @@ def test_run_server_against_fake_servers(fake_servers):
 
 def test_run_server_uses_per_request_histograms(fake_servers):
     spec = fake_servers(k=3, per_request_metrics=True)
-    runs, _ = bench.run_server([parse_server_spec(spec.url)], ["p1", "p2"], max_tokens=10,
-                               progress=False, warmup=False, metrics_settle_s=0.5)
+    runs, _ = bench.run_server(
+        [parse_server_spec(spec.url)],
+        ["p1", "p2"],
+        max_tokens=10,
+        progress=False,
+        warmup=False,
+        metrics_settle_s=0.5,
+    )
     assert runs[0].histogram_source == "per_request_metrics"
     assert runs[0].histogram == histogram_from_counters(runs[0].counters) == [2, 2, 4, 0]
 
 
 def test_server_errors_are_reported(fake_servers):
-    with pytest.raises(BenchError, match=r"GET http://127\.0\.0\.1:1/v1/models: .*is the server "
-                                         r"running\?"):
-        bench.run_server([parse_server_spec("http://127.0.0.1:1")], ["p"], max_tokens=2,
-                         progress=False)
+    with pytest.raises(
+        BenchError,
+        match=r"GET http://127\.0\.0\.1:1/v1/models: .*is the server "
+        r"running\?",
+    ):
+        bench.run_server(
+            [parse_server_spec("http://127.0.0.1:1")], ["p"], max_tokens=2, progress=False
+        )
 
 
 # ---- CLI errors (before any engine starts) ----------------------------------------------------
@@ -445,8 +560,10 @@ def test_draft_checks_before_any_engine(tiny_family, capsys):
 
     family = ["bench", "--family-dir", str(tiny_family.root)]
     assert main([*family, "--method", f"dflash:{tiny_family.dspark_draft}"]) == 2
-    assert (f"--method dflash:{tiny_family.dspark_draft}: the draft is a dspark draft "
-            f"(Qwen3DSparkModel), not dflash; use --method dspark:") in capsys.readouterr().err
+    assert (
+        f"--method dflash:{tiny_family.dspark_draft}: the draft is a dspark draft "
+        f"(Qwen3DSparkModel), not dflash; use --method dspark:"
+    ) in capsys.readouterr().err
     assert main([*family, "--method", "dspark:9"]) == 2
     assert "num_speculative_tokens=9 exceeds the trained block_size 8" in capsys.readouterr().err
     # Defaults come from the draft's config: DSpark block_size; the Nemotron 3.5 DFlash layout
@@ -461,13 +578,18 @@ def test_draft_checks_before_any_engine(tiny_family, capsys):
 
 def test_draft_not_available_locally_needs_k(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(BenchError, match=r"not a local directory nor in the local Hugging Face "
-                                         r"cache, so its default K cannot be read; give it: "
-                                         r"dflash:nobody/no-such-draft:K"):
+    with pytest.raises(
+        BenchError,
+        match=r"not a local directory nor in the local Hugging Face "
+        r"cache, so its default K cannot be read; give it: "
+        r"dflash:nobody/no-such-draft:K",
+    ):
         bench.resolve_methods([parse_method_spec("dflash:nobody/no-such-draft")])
     got = bench.resolve_methods([parse_method_spec("dflash:nobody/no-such-draft:4")])
     assert got[0].speculative_config() == {
-        "method": "dflash", "model": "nobody/no-such-draft", "num_speculative_tokens": 4,
+        "method": "dflash",
+        "model": "nobody/no-such-draft",
+        "num_speculative_tokens": 4,
     }
 
 
@@ -508,7 +630,8 @@ def assert_acceptance_consistent(r: dict, stats: RunStats) -> None:
     assert r["num_drafts"] > 0 and r["num_draft_tokens"] <= k * r["num_drafts"]
     assert 1.0 <= r["mean_acceptance_length"] <= 1.0 + k
     assert r["mean_acceptance_length"] == pytest.approx(
-        1 + r["num_accepted_tokens"] / r["num_drafts"], abs=1e-4)
+        1 + r["num_accepted_tokens"] / r["num_drafts"], abs=1e-4
+    )
     rates = r["per_position_acceptance"]
     assert len(rates) == k and all(0.0 <= x <= 1.0 for x in rates)
     assert rates == sorted(rates, reverse=True)  # position p is accepted only after p-1
@@ -524,8 +647,9 @@ def assert_acceptance_consistent(r: dict, stats: RunStats) -> None:
 
 def assert_comparison_reported(r: dict, stats: RunStats, plain: RunStats) -> None:
     """matches_plain / first_mismatching_prompt say what the token ids say."""
-    mismatch = next((i for i, (a, b) in enumerate(zip(stats.token_ids, plain.token_ids))
-                     if a != b), None)
+    mismatch = next(
+        (i for i, (a, b) in enumerate(zip(stats.token_ids, plain.token_ids)) if a != b), None
+    )
     assert r["matches_plain"] is (mismatch is None)
     assert r["first_mismatching_prompt"] == mismatch
 
@@ -537,16 +661,25 @@ def one_layer_dflash(tiny_family, tmp_path_factory):
     from vllm_nemotron_spec.tiny.drafts import DraftParams, build_draft
 
     out = tmp_path_factory.mktemp("bench-draft") / "dflash-1layer"
-    return build_draft(out, "dflash", tiny_family.target, seed=0,
-                       params=DraftParams(num_hidden_layers=1))
+    return build_draft(
+        out, "dflash", tiny_family.target, seed=0, params=DraftParams(num_hidden_layers=1)
+    )
 
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench-prompts") / "gsm8k-style.jsonl"
-    path.write_text("".join(json.dumps({"question": q, "answer": "#### 0"}) + "\n" for q in (
-        "Count from 3: 3, 4,", "Days: monday, tuesday,", "12 + 7 = 19; 3 * 4 =",
-    )), "utf-8")
+    path.write_text(
+        "".join(
+            json.dumps({"question": q, "answer": "#### 0"}) + "\n"
+            for q in (
+                "Count from 3: 3, 4,",
+                "Days: monday, tuesday,",
+                "12 + 7 = 19; 3 * 4 =",
+            )
+        ),
+        "utf-8",
+    )
     return path
 
 
@@ -554,8 +687,16 @@ def prompt_file(tmp_path_factory):
 def test_offline_default_methods_on_tiny_family(tiny_family, tmp_path):
     plot = tmp_path / "bench.png"
     code, report, runs = run_cli(
-        ["--family-dir", str(tiny_family.root), "--num-prompts", "2", "--max-tokens", "12",
-         "--plot", str(plot)],
+        [
+            "--family-dir",
+            str(tiny_family.root),
+            "--num-prompts",
+            "2",
+            "--max-tokens",
+            "12",
+            "--plot",
+            str(plot),
+        ],
         spy_target="run_offline",
     )
     assert set(report) >= REPORT_KEYS and report["mode"] == "offline"
@@ -590,9 +731,21 @@ def test_offline_default_methods_on_tiny_family(tiny_family, tmp_path):
 @pytest.fixture(scope="module")
 def offline_explicit(tiny_family, one_layer_dflash, prompt_file):
     return run_cli(
-        ["--family-dir", str(tiny_family.root), "--prompts", str(prompt_file),
-         "--max-tokens", "24", "--no-warmup",
-         "--method", "plain", "--method", "ngram:3", "--method", f"dflash:{one_layer_dflash}:3"],
+        [
+            "--family-dir",
+            str(tiny_family.root),
+            "--prompts",
+            str(prompt_file),
+            "--max-tokens",
+            "24",
+            "--no-warmup",
+            "--method",
+            "plain",
+            "--method",
+            "ngram:3",
+            "--method",
+            f"dflash:{one_layer_dflash}:3",
+        ],
         spy_target="run_offline",
     )
 
@@ -609,8 +762,9 @@ def test_offline_prompt_file_and_explicit_methods(offline_explicit, prompt_file)
     for r, stats in ((ngram, runs[1]), (dflash, runs[2])):
         assert_acceptance_consistent(r, stats)
         assert_comparison_reported(r, stats, runs[0])
-        assert r["speedup_vs_plain"] == pytest.approx(r["tokens_per_s"] / plain["tokens_per_s"],
-                                                      rel=1e-2, abs=2e-3)
+        assert r["speedup_vs_plain"] == pytest.approx(
+            r["tokens_per_s"] / plain["tokens_per_s"], rel=1e-2, abs=2e-3
+        )
     # The tiny target continues these prompts with repeating patterns that ngram drafts from
     # the context, so its histogram is not all "nothing accepted".
     assert ngram["num_accepted_tokens"] > 0
@@ -640,11 +794,28 @@ def dflash_server(tiny_family, one_layer_dflash, tmp_path_factory):
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's engine core is its own process
     spec = {"method": "dflash", "model": str(one_layer_dflash), "num_speculative_tokens": 3}
     cmd = [
-        sys.executable, "-m", "vllm_nemotron_spec.cli.main", "vllm", "serve",
-        str(tiny_family.target), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4",
-        "--no-enable-prefix-caching", "--speculative-config", json.dumps(spec),
-        "--per-request-spec-decode-metrics", "summary",
+        sys.executable,
+        "-m",
+        "vllm_nemotron_spec.cli.main",
+        "vllm",
+        "serve",
+        str(tiny_family.target),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "4",
+        "--no-enable-prefix-caching",
+        "--speculative-config",
+        json.dumps(spec),
+        "--per-request-spec-decode-metrics",
+        "summary",
     ]
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
@@ -678,8 +849,18 @@ def dflash_server(tiny_family, one_layer_dflash, tmp_path_factory):
 def test_server_mode_against_real_vllm_serve(dflash_server, prompt_file):
     url, version = dflash_server
     code, report, result = run_cli(
-        ["--server", f"dflash={url}", "--prompts", str(prompt_file), "--num-prompts", "4",
-         "--max-tokens", "16", "--max-concurrency", "2"],
+        [
+            "--server",
+            f"dflash={url}",
+            "--prompts",
+            str(prompt_file),
+            "--num-prompts",
+            "4",
+            "--max-tokens",
+            "16",
+            "--max-concurrency",
+            "2",
+        ],
         spy_target="run_server",
     )
     runs, models = result

@@ -1,7 +1,6 @@
 """The ``vllm`` passthrough: vLLM's CLI with one-line config errors."""
 
 
-
 def test_help_lists_every_subcommand(capsys):
     from vllm_nemotron_spec.cli.main import build_parser
 

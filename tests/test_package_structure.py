@@ -13,8 +13,19 @@ PACKAGE = Path(vllm_nemotron_spec.__file__).parent
 NAME = "vllm_nemotron_spec"
 
 # What vLLM loads at serve time, and the quantizer: none of it may depend on the tiny family.
-RUNTIME = ("plugin", "target_hook", "attention", "checkpoint", "nvfp4", "models", "proposers",
-           "kernels", "patches", "quantize", "_torch")
+RUNTIME = (
+    "plugin",
+    "target_hook",
+    "attention",
+    "checkpoint",
+    "nvfp4",
+    "models",
+    "proposers",
+    "kernels",
+    "patches",
+    "quantize",
+    "_torch",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -36,7 +47,9 @@ def import_graph() -> dict[str, set[str]]:
                 if node.level:
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
-                submodules = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+                submodules = [
+                    f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules
+                ]
                 targets = submodules or [base]  # ``from pkg import mod`` depends on mod
             else:
                 continue
@@ -63,11 +76,13 @@ def test_no_import_cycles():
 
 def test_runtime_modules_never_import_the_tiny_family():
     graph = import_graph()
-    runtime = [m for m in graph
-               if any(m == f"{NAME}.{r}" or m.startswith(f"{NAME}.{r}.") for r in RUNTIME)]
+    runtime = [
+        m for m in graph if any(m == f"{NAME}.{r}" or m.startswith(f"{NAME}.{r}.") for r in RUNTIME)
+    ]
     assert len(runtime) > 20
-    offenders = {m: sorted(t for t in _reachable(graph, m) if t.startswith(f"{NAME}.tiny"))
-                 for m in runtime}
+    offenders = {
+        m: sorted(t for t in _reachable(graph, m) if t.startswith(f"{NAME}.tiny")) for m in runtime
+    }
     assert not {m: t for m, t in offenders.items() if t}
 
 

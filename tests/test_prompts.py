@@ -41,19 +41,29 @@ def test_text_key_and_bare_strings(tmp_path):
 
 
 def test_gsm8k_style_uses_question(tmp_path):
-    path = write(tmp_path, jsonl(
-        {"question": "Natalia sold 48 clips. How many?", "answer": "#### 72"},
-        {"question": "Weng earns $12 an hour. How much?", "answer": "#### 10"},
-    ))
+    path = write(
+        tmp_path,
+        jsonl(
+            {"question": "Natalia sold 48 clips. How many?", "answer": "#### 72"},
+            {"question": "Weng earns $12 an hour. How much?", "answer": "#### 10"},
+        ),
+    )
     got = load_prompts(path)
     assert got.prompts == ("Natalia sold 48 clips. How many?", "Weng earns $12 an hour. How much?")
     assert got.key == "question"
 
 
 def test_mt_bench_style_uses_first_turn(tmp_path):
-    path = write(tmp_path, jsonl(
-        {"question_id": 81, "category": "writing", "turns": ["Write a blog post.", "Rewrite it."]},
-    ))
+    path = write(
+        tmp_path,
+        jsonl(
+            {
+                "question_id": 81,
+                "category": "writing",
+                "turns": ["Write a blog post.", "Rewrite it."],
+            },
+        ),
+    )
     got = load_prompts(path)
     assert got.prompts == ("Write a blog post.",)
     assert got.key == "turns"
@@ -91,19 +101,29 @@ def test_tiny_family_prompts():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ('{"prompt": "ok"}\n{"prompt": "ok"\n',
-         r":line 2: not valid JSON \(Expecting ',' delimiter"),
-        ('{"prompt": "ok"}\n{"input": "x", "output": "y"}\n',
-         r':line 2: expected one of the keys "prompt", "text", "question", "turns", '
-         r'found keys: "input", "output"'),
+        (
+            '{"prompt": "ok"}\n{"prompt": "ok"\n',
+            r":line 2: not valid JSON \(Expecting ',' delimiter",
+        ),
+        (
+            '{"prompt": "ok"}\n{"input": "x", "output": "y"}\n',
+            r':line 2: expected one of the keys "prompt", "text", "question", "turns", '
+            r'found keys: "input", "output"',
+        ),
         ('{"prompt": 3}\n', r':line 1: "prompt" must be a string, found number'),
         ('{"question": "  "}\n', r':line 1: "question" is an empty prompt'),
-        ('{"turns": []}\n', r':line 1: "turns" must be a non-empty array of strings \(MT-Bench '
-         r'style\), found array \(empty\)'),
+        (
+            '{"turns": []}\n',
+            r':line 1: "turns" must be a non-empty array of strings \(MT-Bench '
+            r"style\), found array \(empty\)",
+        ),
         ('{"turns": "hi"}\n', r':line 1: "turns" must be a non-empty array of strings'),
         ('{"turns": [1]}\n', r':line 1: "turns"\[0\] must be a string, found number'),
-        ('{"prompt": "ok"}\n3\n', r":line 2: expected a JSON object with one of the keys .* or a "
-         r"JSON string, found number"),
+        (
+            '{"prompt": "ok"}\n3\n',
+            r":line 2: expected a JSON object with one of the keys .* or a "
+            r"JSON string, found number",
+        ),
         ("\n\n", r': no prompts; expected one JSON object per line with one of the keys "prompt"'),
     ],
 )
@@ -116,7 +136,7 @@ def test_errors_name_file_line_and_expected_keys(tmp_path, text, message):
 
 def test_json_array_errors_name_the_item(tmp_path):
     path = write(tmp_path, json.dumps([{"prompt": "a"}, {"nope": 1}]), "p.json")
-    with pytest.raises(PromptFileError, match=r'p\.json:item 2: expected one of the keys'):
+    with pytest.raises(PromptFileError, match=r"p\.json:item 2: expected one of the keys"):
         load_prompts(path)
     path = write(tmp_path, '{"prompt": "a"}', "obj.json")  # a single object is one JSONL line
     assert load_prompts(path).prompts == ("a",)

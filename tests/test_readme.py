@@ -64,8 +64,9 @@ def test_readme_cli_command_parses(argv):
 def bench_serve_commands() -> list[list[str]]:
     """``vllm bench serve`` lines, plain or through the passthrough."""
     out = []
-    for argv in readme_commands("vllm") + [a[1:] for a in readme_commands("vllm-nemotron-spec")
-                                         if a[0] == "vllm"]:
+    for argv in readme_commands("vllm") + [
+        a[1:] for a in readme_commands("vllm-nemotron-spec") if a[0] == "vllm"
+    ]:
         if argv[:2] == ["bench", "serve"]:
             out.append(argv[2:])
     return out
@@ -110,7 +111,13 @@ def test_readme_python_block_runs_as_a_script(index, tiny_family, trained_drafts
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the user's default: an engine process
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip(), out.stderr[-3000:]

@@ -10,8 +10,9 @@ def _engine_config(model_dir, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 
     patches.apply_one("nemotron_h_config_hook")
-    return EngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=256,
-                      **kwargs).create_engine_config()
+    return EngineArgs(
+        model=str(model_dir), skip_tokenizer_init=True, max_model_len=256, **kwargs
+    ).create_engine_config()
 
 
 def test_prefix_caching_stays_on_for_nemotron_h_on_cpu(tiny_family):
@@ -26,9 +27,17 @@ def test_prefix_caching_stays_on_for_nemotron_h_on_cpu(tiny_family):
 
 
 def test_prefix_caching_of_other_models_is_left_alone(tmp_path):
-    llama = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512,
-                 hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512)
+    llama = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     (tmp_path / "config.json").write_text(json.dumps(llama))
     config = _engine_config(tmp_path, enable_prefix_caching=True)
     assert config.cache_config.enable_prefix_caching is True
@@ -40,12 +49,20 @@ def test_dspark_draft_is_routed_and_keeps_its_layout_flag_at_the_top_level(tiny_
     vLLM 0.33's V2 DFlashSpeculator refuses when true is gone from the in-memory config."""
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
-    for draft, anchor in ((ensure_trained_drafts(family=tiny_family).dspark, False),
-                          (ensure_trained_drafts(family=tiny_family).dspark_wrong_anchor, True)):
+    for draft, anchor in (
+        (ensure_trained_drafts(family=tiny_family).dspark, False),
+        (ensure_trained_drafts(family=tiny_family).dspark_wrong_anchor, True),
+    ):
         nested = json.loads((draft / "config.json").read_text())["dflash_config"]
         assert nested["sample_from_anchor"] is anchor  # the checkpoint has both copies
-        config = _engine_config(tiny_family.target, speculative_config={
-            "method": "dspark", "model": str(draft), "num_speculative_tokens": 3})
+        config = _engine_config(
+            tiny_family.target,
+            speculative_config={
+                "method": "dspark",
+                "model": str(draft),
+                "num_speculative_tokens": 3,
+            },
+        )
         hf = config.speculative_config.draft_model_config.hf_config
         assert hf.architectures == ["DSparkNemotron35DraftModel"]
         assert hf.sample_from_anchor is anchor
@@ -66,15 +83,22 @@ def test_spec_decode_refuses_when_a_needed_patch_is_not_installed(tiny_family, m
     import pytest
 
     _engine_config(tiny_family.target)  # the hook and the patches are registered
-    monkeypatch.setitem(patches._state, "mamba_spec_decode_padding",
-                        "not installed: checked against vLLM 0.32.0, 0.33.0, this is vLLM 0.32.9")
+    monkeypatch.setitem(
+        patches._state,
+        "mamba_spec_decode_padding",
+        "not installed: checked against vLLM 0.32.0, 0.33.0, this is vLLM 0.32.9",
+    )
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
-    with pytest.raises(Exception, match=r"needs the vllm-nemotron-spec patch "
-                                        r"mamba_spec_decode_padding .* this is vLLM 0\.32\.9"):
+    with pytest.raises(
+        Exception,
+        match=r"needs the vllm-nemotron-spec patch "
+        r"mamba_spec_decode_padding .* this is vLLM 0\.32\.9",
+    ):
         _engine_config(tiny_family.target, speculative_config=spec, enable_prefix_caching=False)
     monkeypatch.setitem(patches._state, "mamba_spec_decode_padding", patches.INSTALLED)
-    config = _engine_config(tiny_family.target, speculative_config=spec,
-                            enable_prefix_caching=False)
+    config = _engine_config(
+        tiny_family.target, speculative_config=spec, enable_prefix_caching=False
+    )
     assert config.speculative_config.method == "ngram"
 
 
@@ -92,8 +116,10 @@ def test_a_target_saved_by_transformers_5_takes_nemotron35_drafts(tiny_family, t
     assert plain.model_config.hf_config.hybrid_override_pattern == "M-M*-M-M*-M-M-"
     trained = ensure_trained_drafts(family=tiny_family)
     for method, draft in (("dspark", trained.dspark), ("dflash", trained.dflash)):
-        config = _engine_config(tmp_path, speculative_config={
-            "method": method, "model": str(draft), "num_speculative_tokens": 3})
+        config = _engine_config(
+            tmp_path,
+            speculative_config={"method": method, "model": str(draft), "num_speculative_tokens": 3},
+        )
         hf = config.speculative_config.draft_model_config.hf_config
         assert hf.architectures == [target_hook.NEMOTRON35_DRAFT_ARCHITECTURES[method]]
         assert getattr(hf, target_hook.WEIGHTS_CHECKED_ATTR) == f"local directory {draft}"

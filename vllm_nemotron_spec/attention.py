@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
 # AttentionBackendEnum member names (vllm/v1/attention/backends/registry.py).
 FLASHINFER = "FLASHINFER"
 FLASH_ATTN = "FLASH_ATTN"

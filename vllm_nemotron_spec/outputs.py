@@ -60,18 +60,23 @@ def check_output_dir(
     named in the messages."""
     given = Path(dest).expanduser()
     if given.is_symlink():
-        raise OutputError(f"{given} is a symbolic link; refusing to replace it: give the real "
-                          f"directory or a new path")
+        raise OutputError(
+            f"{given} is a symbolic link; refusing to replace it: give the real "
+            f"directory or a new path"
+        )
     path = given.resolve()
     protected = _protected(sources)
     for place, what in protected:
         if path == place:
-            raise OutputError(f"{path} is {what}; refusing to write there: choose a new or "
-                              f"empty directory")
+            raise OutputError(
+                f"{path} is {what}; refusing to write there: choose a new or empty directory"
+            )
     for place, what in protected:
         if path in place.parents:
-            raise OutputError(f"{path} contains {place}, {what}; refusing to write there: "
-                              f"choose a new or empty directory")
+            raise OutputError(
+                f"{path} contains {place}, {what}; refusing to write there: "
+                f"choose a new or empty directory"
+            )
     if not path.exists():
         return path
     if not path.is_dir():
@@ -81,13 +86,17 @@ def check_output_dir(
     even = f", even with {option}" if option else ""
     known = recognised(path)
     if known is None:
-        raise OutputError(f"{path} is not empty and was not written by this command (no "
-                          f"manifest); refusing to replace it{even}: choose a new or empty "
-                          f"directory")
+        raise OutputError(
+            f"{path} is not empty and was not written by this command (no "
+            f"manifest); refusing to replace it{even}: choose a new or empty "
+            f"directory"
+        )
     foreign = first_foreign_file(path, known)
     if foreign is not None:
-        raise OutputError(f"{path} holds {foreign}, which this command did not write; refusing "
-                          f"to replace it{even}: move that file or choose a new directory")
+        raise OutputError(
+            f"{path} holds {foreign}, which this command did not write; refusing "
+            f"to replace it{even}: move that file or choose a new directory"
+        )
     return path
 
 
@@ -96,8 +105,9 @@ def first_foreign_file(root: Path, known: set[str]) -> str | None:
     is not in ``known``, or None."""
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root)
-        for name in sorted(filenames) + sorted(d for d in dirnames
-                                               if os.path.islink(os.path.join(dirpath, d))):
+        for name in sorted(filenames) + sorted(
+            d for d in dirnames if os.path.islink(os.path.join(dirpath, d))
+        ):
             rel = (rel_dir / name).as_posix()
             if rel not in known:
                 return rel
@@ -125,11 +135,17 @@ def write_manifest(directory: Path, command: str, manifest: str = OUTPUT_MANIFES
     """Record every file under ``directory`` (name -> size) as written by ``command``."""
     files = {
         p.relative_to(directory).as_posix(): p.stat().st_size
-        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != manifest
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != manifest
     }
     (directory / manifest).write_text(
-        json.dumps({"written_by": f"vllm-nemotron-spec {command}", "files": files}, indent=2,
-                   sort_keys=True) + "\n")
+        json.dumps(
+            {"written_by": f"vllm-nemotron-spec {command}", "files": files},
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
 
 
 def replace_dir(tmp: Path, dest: Path) -> None:
@@ -178,8 +194,10 @@ def check_output_file(dest: str | Path) -> Path:
             head = f.read(len(signature or b""))
         if signature is None or head != signature:
             kind = f"a {path.suffix.lstrip('.').upper()} file" if signature else "a file"
-            raise OutputError(f"{path} exists and is not {kind} this command writes; refusing "
-                              f"to overwrite it: choose another name")
+            raise OutputError(
+                f"{path} exists and is not {kind} this command writes; refusing "
+                f"to overwrite it: choose another name"
+            )
     return path
 
 

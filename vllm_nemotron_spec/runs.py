@@ -115,7 +115,9 @@ def generate(llm, prompts: list[str], max_tokens: int, method: str, **sampling) 
     from vllm import SamplingParams
 
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=sampling.pop("temperature", 0.0), ignore_eos=True,
+        max_tokens=max_tokens,
+        temperature=sampling.pop("temperature", 0.0),
+        ignore_eos=True,
         **sampling,
     )
     before = read_spec_counters(llm)

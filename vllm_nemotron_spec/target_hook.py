@@ -26,7 +26,6 @@ ARCHITECTURES = ("NemotronHForCausalLM",)
 LOGGER_NAME = "vllm.nemotron_spec.target"
 
 
-
 # speculative method -> our architecture for a Nemotron 3.5 draft (absent: vLLM's own class).
 NEMOTRON35_DRAFT_ARCHITECTURES = {
     "dflash": "DFlashNemotron35DraftModel",
@@ -68,9 +67,12 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
         return None
     revision = getattr(draft_config, "revision", None)
     report = inspect_checkpoint(
-        draft_config.model, target=vllm_config.model_config.model,
-        num_speculative_tokens=spec_config.num_speculative_tokens, revision=revision,
-        draft_config=cfg, target_config=vllm_config.model_config.hf_config,
+        draft_config.model,
+        target=vllm_config.model_config.model,
+        num_speculative_tokens=spec_config.num_speculative_tokens,
+        revision=revision,
+        draft_config=cfg,
+        target_config=vllm_config.model_config.hf_config,
     )
     problems = list(report["problems"])
     if report.get("method") is not None and report["method"] != spec_config.method:
@@ -92,15 +94,23 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
         weights = f"tensor headers deferred to load time ({report['weights_checked']})"
     else:
         setattr(draft_config.hf_config, WEIGHTS_CHECKED_ATTR, report["weights_checked"])
-        weights = (f"{report['checkpoint']['num_tensors']} tensor headers checked at start-up "
-                   f"from {report['weights_checked']}")
+        weights = (
+            f"{report['checkpoint']['num_tensors']} tensor headers checked at start-up "
+            f"from {report['weights_checked']}"
+        )
     init_logger(LOGGER_NAME).info(
         "nemotron-spec: %s draft %s%s has the Nemotron 3.5 layout (%s, %d drafted tokens, "
         "sample_from_anchor=%s): config checked against the target's loaded config (%d blocks); "
         "%s; model class %s",
-        spec_config.method, draft_config.model, f"@{revision}" if revision else "",
-        report["architecture"], spec_config.num_speculative_tokens,
-        report["sample_from_anchor"], report["target_blocks"], weights, arch or "vLLM's own",
+        spec_config.method,
+        draft_config.model,
+        f"@{revision}" if revision else "",
+        report["architecture"],
+        spec_config.num_speculative_tokens,
+        report["sample_from_anchor"],
+        report["target_blocks"],
+        weights,
+        arch or "vLLM's own",
     )
     return report
 
@@ -134,15 +144,23 @@ def check_draft_weights_at_load(spec: Any, draft_model_config: Any) -> None:
     source = draft_headers(model, getattr(draft_model_config, "revision", None), hub=False)
     logger = init_logger(LOGGER_NAME)
     if source.scan is None or not source.scan.files:
-        logger.warning("nemotron-spec: draft %s: tensor headers NOT checked (%s); vLLM loads the "
-                       "weights unchecked", model, source.where)
+        logger.warning(
+            "nemotron-spec: draft %s: tensor headers NOT checked (%s); vLLM loads the "
+            "weights unchecked",
+            model,
+            source.where,
+        )
         return
     problems = [f"draft weights: {p}" for p in source.scan.problems]
     problems += tensor_problems(spec, source.scan)[1]
     if problems:
         raise DraftSpecError(problems, source=f"Nemotron 3.5 draft {model}")
-    logger.info("nemotron-spec: draft %s: %d tensor headers checked at load time from %s",
-                model, len(source.scan.tensors), source.where)
+    logger.info(
+        "nemotron-spec: draft %s: %d tensor headers checked at load time from %s",
+        model,
+        len(source.scan.tensors),
+        source.where,
+    )
 
 
 def drop_nested_sample_from_anchor(hf_config: Any) -> None:
@@ -167,8 +185,9 @@ def require_patches(vllm_config: Any) -> None:
 
     cpu = current_platform.is_cpu()
     if cpu and vllm_config.cache_config.enable_prefix_caching:
-        patches.require("Mamba prefix caching on CPU (--enable-prefix-caching)",
-                        "cpu_mamba_align_cache")
+        patches.require(
+            "Mamba prefix caching on CPU (--enable-prefix-caching)", "cpu_mamba_align_cache"
+        )
     spec_config = vllm_config.speculative_config
     if spec_config is None:
         return
@@ -188,5 +207,3 @@ def prepare_nemotron_h_config(vllm_config: Any) -> None:
     check_and_route_nemotron35_draft(vllm_config)
     require_patches(vllm_config)
     apply_attention_choice(vllm_config)
-
-

@@ -34,8 +34,9 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             # "from pkg import sub" imports the submodule; "from pkg import name" the package.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                       for a in node.names]
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         out.update(t for t in targets if t in known and t != name)
@@ -60,7 +61,7 @@ def find_cycle(graph: dict[str, set[str]], nodes: set[str]) -> list[str] | None:
             if nxt not in nodes:
                 continue
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -112,7 +113,8 @@ def test_package_has_no_import_cycle():
 def test_one_http_client():
     """Only bench/client.py talks HTTP (urllib / http.client)."""
     users = sorted(
-        module_name(f) for f in ROOT.rglob("*.py")
+        module_name(f)
+        for f in ROOT.rglob("*.py")
         if any(word in f.read_text("utf-8") for word in ("urllib.request", "http.client"))
     )
     assert users == [f"{PACKAGE}.bench.client"]

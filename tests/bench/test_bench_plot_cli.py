@@ -25,8 +25,9 @@ def test_plot_without_matplotlib_fails_before_any_engine(tmp_path):
         print("EXIT", code, "VLLM_IMPORTED", "vllm" in sys.modules, "TORCH_IMPORTED",
               "torch" in sys.modules)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["EXIT", "2", "VLLM_IMPORTED", "False", "TORCH_IMPORTED", "False"]
     lines = out.stderr.strip().splitlines()
@@ -37,16 +38,43 @@ def test_plot_without_matplotlib_fails_before_any_engine(tmp_path):
 
 
 def fake_report() -> dict:
-    plain = RunStats("plain", "plain", num_prompts=2, output_tokens=40, seconds=2.0,
-                     tpot_ms=[10.0], timing_source="request_metrics", token_ids=[[1], [2]])
-    spec = RunStats("dflash", "dflash", "/d", 3, num_prompts=2, output_tokens=40, seconds=1.0,
-                    tpot_ms=[5.0], timing_source="request_metrics", token_ids=[[1], [2]],
-                    counters=SpecCounters(4, 12, 6, [3, 2, 1]), histogram=[1, 1, 1, 1],
-                    histogram_source="per_position_counters")
-    return bench.make_report([plain, spec], mode="offline", model="/m/target",
-                             prompts=PromptSet(("a", "b"), "test"), num_prompts=2, max_tokens=20,
-                             temperature=0.0, ignore_eos=False, platform="cpu",
-                             vllm_version="0.0")
+    plain = RunStats(
+        "plain",
+        "plain",
+        num_prompts=2,
+        output_tokens=40,
+        seconds=2.0,
+        tpot_ms=[10.0],
+        timing_source="request_metrics",
+        token_ids=[[1], [2]],
+    )
+    spec = RunStats(
+        "dflash",
+        "dflash",
+        "/d",
+        3,
+        num_prompts=2,
+        output_tokens=40,
+        seconds=1.0,
+        tpot_ms=[5.0],
+        timing_source="request_metrics",
+        token_ids=[[1], [2]],
+        counters=SpecCounters(4, 12, 6, [3, 2, 1]),
+        histogram=[1, 1, 1, 1],
+        histogram_source="per_position_counters",
+    )
+    return bench.make_report(
+        [plain, spec],
+        mode="offline",
+        model="/m/target",
+        prompts=PromptSet(("a", "b"), "test"),
+        num_prompts=2,
+        max_tokens=20,
+        temperature=0.0,
+        ignore_eos=False,
+        platform="cpu",
+        vllm_version="0.0",
+    )
 
 
 def test_failing_plot_keeps_the_printed_results(monkeypatch, capsys, tmp_path):

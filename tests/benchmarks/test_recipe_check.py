@@ -19,16 +19,28 @@ _spec.loader.exec_module(rc)
 
 
 def _turn(outputs, hits=0, queries=100, gaps=None):
-    return {"outputs": outputs, "prefix_cache_hits": hits, "prefix_cache_queries": queries,
-            "top2_gaps": gaps}
+    return {
+        "outputs": outputs,
+        "prefix_cache_hits": hits,
+        "prefix_cache_queries": queries,
+        "top2_gaps": gaps,
+    }
 
 
 def test_compare_finds_the_first_mismatch_and_its_gap():
-    plain = {"turns": [_turn([[1, 2, 3], [4, 5, 6]], gaps=[[0.5, 0.5, 0.5], [0.5, 0.01, 0.5]]),
-                       _turn([[7, 8], [9, 10]], hits=64)]}
+    plain = {
+        "turns": [
+            _turn([[1, 2, 3], [4, 5, 6]], gaps=[[0.5, 0.5, 0.5], [0.5, 0.01, 0.5]]),
+            _turn([[7, 8], [9, 10]], hits=64),
+        ]
+    }
     same = {"turns": [_turn([[1, 2, 3], [4, 5, 6]]), _turn([[7, 8], [9, 10]], hits=64)]}
     c = rc.compare(same, plain)
-    assert c["exact"] and c["prefix_hits_equal_plain"] and c["prefix_hits_equal_per_turn"] == [True, True]
+    assert (
+        c["exact"]
+        and c["prefix_hits_equal_plain"]
+        and c["prefix_hits_equal_per_turn"] == [True, True]
+    )
     wrong = {"turns": [_turn([[1, 2, 3], [4, 99, 6]]), _turn([[7, 8], [9, 10]], hits=0)]}
     c = rc.compare(wrong, plain)
     assert not c["exact"] and c["num_mismatching_outputs"] == 1
@@ -42,10 +54,23 @@ def test_compare_finds_the_first_mismatch_and_its_gap():
 
 def test_verdict_judges_plugin_rows_only():
     ok = {"exact": True, "prefix_hits_equal_plain": True, "num_mismatching_outputs": 0}
-    rows = [{"name": "plain@prefix", "variant": "plain", "plugin": True, "status": "ok"},
-            {"name": "dspark@prefix", "variant": "dspark", "plugin": True, "status": "ok", "comparison": ok},
-            {"name": "dspark-upstream@prefix", "variant": "dspark-upstream", "plugin": False, "status": "ok",
-             "comparison": dict(ok, prefix_hits_equal_plain=False)}]
+    rows = [
+        {"name": "plain@prefix", "variant": "plain", "plugin": True, "status": "ok"},
+        {
+            "name": "dspark@prefix",
+            "variant": "dspark",
+            "plugin": True,
+            "status": "ok",
+            "comparison": ok,
+        },
+        {
+            "name": "dspark-upstream@prefix",
+            "variant": "dspark-upstream",
+            "plugin": False,
+            "status": "ok",
+            "comparison": dict(ok, prefix_hits_equal_plain=False),
+        },
+    ]
     text, passed = rc.verdict({"configs": rows})
     assert passed and text.startswith("RECIPE CHECK: PASS - 1/1") and "upstream" in text
     rows[0].update(flags="prefix", cache_config={"enable_prefix_caching": "False"})
@@ -54,7 +79,13 @@ def test_verdict_judges_plugin_rows_only():
     rows[1]["comparison"] = dict(ok, exact=False, num_mismatching_outputs=2)
     text, passed = rc.verdict({"configs": rows})
     assert not passed and "dspark@prefix NOT EXACT" in text
-    rows[1] = {"name": "dspark@fp8", "variant": "dspark", "plugin": True, "status": "error", "error": "boom"}
+    rows[1] = {
+        "name": "dspark@fp8",
+        "variant": "dspark",
+        "plugin": True,
+        "status": "error",
+        "error": "boom",
+    }
     assert not rc.verdict({"configs": rows})[1]
 
 
@@ -68,8 +99,10 @@ def test_workload_segments(tiny_family):
 
 def test_parse_configs():
     cfgs = rc.parse_configs("plain@prefix, dspark-upstream@fp8")
-    assert [(c.name, c.method, c.plugin) for c in cfgs] == [("plain@prefix", None, True),
-                                                           ("dspark-upstream@fp8", "dspark", False)]
+    assert [(c.name, c.method, c.plugin) for c in cfgs] == [
+        ("plain@prefix", None, True),
+        ("dspark-upstream@fp8", "dspark", False),
+    ]
     with pytest.raises(SystemExit):
         rc.parse_configs("dspark@nope")
 
@@ -82,10 +115,32 @@ def test_recipe_check_runs_on_cpu(tiny_family, tmp_path):
     1.08)."""
     out = tmp_path / "rc"
     cache = Path(tiny_family.root).parent
-    code = rc.main(["--out", str(out), "--device", "cpu", "--family", str(cache), "--configs",
-                    "plain@base,dspark@base", "--conversations", "2", "--turns", "2",
-                    "--first-tokens", "150", "--user-tokens", "60", "--max-tokens", "12",
-                    "--max-model-len", "512", "--start-timeout", "300"])
+    code = rc.main(
+        [
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--family",
+            str(cache),
+            "--configs",
+            "plain@base,dspark@base",
+            "--conversations",
+            "2",
+            "--turns",
+            "2",
+            "--first-tokens",
+            "150",
+            "--user-tokens",
+            "60",
+            "--max-tokens",
+            "12",
+            "--max-model-len",
+            "512",
+            "--start-timeout",
+            "300",
+        ]
+    )
     result = json.loads((out / "recipe_check.json").read_text())
     rows = {r["name"]: r for r in result["configs"]}
     assert code == 0, result["verdict"]
@@ -93,7 +148,10 @@ def test_recipe_check_runs_on_cpu(tiny_family, tmp_path):
     assert rows["dspark@base"]["comparison"]["exact"]
     turns = rows["dspark@base"]["turns"]
     assert [t["prompt_lengths"] for t in turns] == [[150, 150], [150 + 12 + 60] * 2]
-    assert [t["prompt_tokens"] for t in turns] == [300, 2 * (150 + 12 + 60)]  # the server counted them
+    assert [t["prompt_tokens"] for t in turns] == [
+        300,
+        2 * (150 + 12 + 60),
+    ]  # the server counted them
     assert all(len(o) == 12 for t in turns for o in t["outputs"])
     drafts = sum(t["num_drafts"] for t in turns)
     accepted = sum(t["num_accepted_tokens"] for t in turns)
@@ -121,14 +179,29 @@ def test_metrics_snapshot_and_delta():
     common = sys.modules["_common"]  # imported by gpu_recipe_check
     after = common.parse_snapshot(METRICS)
     assert (after.prefix_queries, after.prefix_hits, after.preemptions) == (1200, 768, 2)
-    assert after.cache_config == {"block_size": "128", "cache_dtype": "fp8", "enable_prefix_caching": "True",
-                                  "mamba_cache_mode": "align"}
-    before = common.parse_snapshot(METRICS.replace("1200.0", "200.0").replace("768.0", "268.0")
-                                   .replace("_sum{engine=\"0\",model_name=\"m\"} 0.5", "_sum{engine=\"0\",model_name=\"m\"} 0.1")
-                                   .replace("_count{engine=\"0\",model_name=\"m\"} 4.0", "_count{engine=\"0\",model_name=\"m\"} 2.0")
-                                   .replace("num_drafts_total{engine=\"0\",model_name=\"m\"} 10.0",
-                                            "num_drafts_total{engine=\"0\",model_name=\"m\"} 4.0"))
+    assert after.cache_config == {
+        "block_size": "128",
+        "cache_dtype": "fp8",
+        "enable_prefix_caching": "True",
+        "mamba_cache_mode": "align",
+    }
+    before = common.parse_snapshot(
+        METRICS.replace("1200.0", "200.0")
+        .replace("768.0", "268.0")
+        .replace('_sum{engine="0",model_name="m"} 0.5', '_sum{engine="0",model_name="m"} 0.1')
+        .replace('_count{engine="0",model_name="m"} 4.0', '_count{engine="0",model_name="m"} 2.0')
+        .replace(
+            'num_drafts_total{engine="0",model_name="m"} 10.0',
+            'num_drafts_total{engine="0",model_name="m"} 4.0',
+        )
+    )
     d = after.minus(before).to_json()
-    assert d["prefix_cache_queries"] == 1000 and d["prefix_cache_hits"] == 500 and d["prefix_hit_rate"] == 0.5
+    assert (
+        d["prefix_cache_queries"] == 1000
+        and d["prefix_cache_hits"] == 500
+        and d["prefix_hit_rate"] == 0.5
+    )
     assert d["server_ttft_ms"] == 200.0  # (0.5 - 0.1) s over 2 requests
-    assert d["num_drafts"] == 6 and d["mean_acceptance_length"] == 1 + 0 / 6  # accepted unchanged: 15 - 15
+    assert (
+        d["num_drafts"] == 6 and d["mean_acceptance_length"] == 1 + 0 / 6
+    )  # accepted unchanged: 15 - 15

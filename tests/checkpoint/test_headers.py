@@ -54,8 +54,10 @@ def test_header_matches_the_safetensors_library(small_dspark):
 
 
 def test_small_real_checkpoints_are_consistent(tmp_path):
-    for name, cfg in (("dflash", dc.dflash_config(dc.SMALL)),
-                      ("dspark", dc.dspark_config(dc.SMALL))):
+    for name, cfg in (
+        ("dflash", dc.dflash_config(dc.SMALL)),
+        ("dspark", dc.dspark_config(dc.SMALL)),
+    ):
         d = dc.write_draft(str(tmp_path / name), cfg)
         result = checked(d, cfg)
         assert result.problems == () and result.warnings == ()
@@ -80,7 +82,8 @@ def test_sharded_checkpoint(tmp_path):
     scan = scan_checkpoint(three)
     assert scan.index == "model.safetensors.index.json" and len(scan.files) == 3
     assert {k: (v.dtype, v.shape) for k, v in scan.tensors.items()} == {
-        k: (v.dtype, v.shape) for k, v in read_checkpoint(one).items()}
+        k: (v.dtype, v.shape) for k, v in read_checkpoint(one).items()
+    }
     assert problems(three, cfg) == ()
 
 
@@ -92,8 +95,13 @@ def test_full_size_headers(tmp_path):
         assert result.problems == () and result.warnings == ()
         mods = {m.name: m for m in result.modules}
         fc = mods["fc"]
-        assert (fc.logical_shape, fc.packed_shape, fc.scale_shape, fc.found_dtype,
-                fc.found_shape) == ((2688, 16128), (2688, 8064), (2688, 1008), "U8", (2688, 8064))
+        assert (
+            fc.logical_shape,
+            fc.packed_shape,
+            fc.scale_shape,
+            fc.found_dtype,
+            fc.found_shape,
+        ) == ((2688, 16128), (2688, 8064), (2688, 1008), "U8", (2688, 8064))
         assert mods["embed_tokens.weight"].found_shape == (131072, 2688)
         if name == "dspark":
             w2 = mods["markov_head.markov_w2"]
@@ -149,8 +157,9 @@ def test_wrong_packed_and_scale_shapes(tmp_path):
 
 
 def test_excluded_module_stored_packed(tmp_path):
-    from vllm_nemotron_spec.nvfp4.format import quantize
     import torch
+
+    from vllm_nemotron_spec.nvfp4.format import quantize
 
     def hook(t):
         del t["layers.1.self_attn.o_proj.weight"]
@@ -162,10 +171,13 @@ def test_excluded_module_stored_packed(tmp_path):
     assert got[0] == (
         "`layers.1.self_attn.o_proj.weight`: found U8 [64, 32], expected an unquantized (BF16) "
         "tensor [64, 64]; it looks NVFP4-packed, but quantization_config excludes it (pattern "
-        "'layers.*.self_attn.o_proj')")
-    assert got[1] == ("`layers.1.self_attn.o_proj.weight_scale`: present, but "
-                      "`layers.1.self_attn.o_proj` is stored unquantized (quantization_config "
-                      "excludes it)")
+        "'layers.*.self_attn.o_proj')"
+    )
+    assert got[1] == (
+        "`layers.1.self_attn.o_proj.weight_scale`: present, but "
+        "`layers.1.self_attn.o_proj` is stored unquantized (quantization_config "
+        "excludes it)"
+    )
     assert len(got) == 3
 
 
@@ -197,7 +209,8 @@ def test_lm_head_in_a_nemotron_checkpoint(tmp_path):
     d, cfg = write_with(tmp_path, lambda t: dict(t, **{"lm_head.weight": torch.zeros(512, 64)}))
     assert problems(d, cfg) == (
         "`lm_head.weight` is in the checkpoint but `has_lm_head` is false: the draft uses the "
-        "target's",)
+        "target's",
+    )
 
 
 def test_model_prefix_is_accepted(tmp_path):
@@ -218,22 +231,32 @@ def one(dtype, shape, offsets) -> bytes:
     return json.dumps({"a": {"dtype": dtype, "shape": shape, "data_offsets": offsets}}).encode()
 
 
-@pytest.mark.parametrize("header,data,expected", [
-    (None, b"", "too short for a safetensors file"),
-    (b"{}", b"", None),
-    (b"[1]", b"", "header must be a JSON object, found list"),
-    (b"{\"a\": ", b"", "header is not valid JSON"),
-    (b"\xff\xff", b"", "header is not UTF-8"),
-    (b'{"a": 1' + b"0" * 5000 + b"}", b"", "header is not valid JSON"),
-    (one("Q9", [2], [0, 2]), b"xx", "tensor `a`: unknown dtype 'Q9'"),
-    (one("U8", [-2], [0, 2]), b"xx", "shape must be a list of non-negative integers"),
-    (one("U8", [2], [0, 9]), b"xx",
-     "data_offsets must be [begin, end] with 0 <= begin <= end <= 2"),
-    (one("F32", [2], [0, 2]), b"xx", "F32 [2] needs 8 bytes but data_offsets span 2"),
-    (one("U8", [2], [0, 2]), b"xxx", "the tensors cover 2 bytes of data but the file holds 3"),
-    (one("U8", [2], [1, 3]), b"xxx", "`a` starts at byte 1 of the data, expected 0"),
-    (b'{"a": "x", "__metadata__": {"k": 1}}', b"", "`__metadata__` must map strings to strings"),
-])
+@pytest.mark.parametrize(
+    "header,data,expected",
+    [
+        (None, b"", "too short for a safetensors file"),
+        (b"{}", b"", None),
+        (b"[1]", b"", "header must be a JSON object, found list"),
+        (b'{"a": ', b"", "header is not valid JSON"),
+        (b"\xff\xff", b"", "header is not UTF-8"),
+        (b'{"a": 1' + b"0" * 5000 + b"}", b"", "header is not valid JSON"),
+        (one("Q9", [2], [0, 2]), b"xx", "tensor `a`: unknown dtype 'Q9'"),
+        (one("U8", [-2], [0, 2]), b"xx", "shape must be a list of non-negative integers"),
+        (
+            one("U8", [2], [0, 9]),
+            b"xx",
+            "data_offsets must be [begin, end] with 0 <= begin <= end <= 2",
+        ),
+        (one("F32", [2], [0, 2]), b"xx", "F32 [2] needs 8 bytes but data_offsets span 2"),
+        (one("U8", [2], [0, 2]), b"xxx", "the tensors cover 2 bytes of data but the file holds 3"),
+        (one("U8", [2], [1, 3]), b"xxx", "`a` starts at byte 1 of the data, expected 0"),
+        (
+            b'{"a": "x", "__metadata__": {"k": 1}}',
+            b"",
+            "`__metadata__` must map strings to strings",
+        ),
+    ],
+)
 def test_corrupted_headers(tmp_path, header, data, expected):
     if header is None:
         path = tmp_path / "model.safetensors"
@@ -253,8 +276,9 @@ def test_corrupted_headers(tmp_path, header, data, expected):
 def test_header_length_beyond_the_file(tmp_path):
     path = tmp_path / "model.safetensors"
     path.write_bytes((10**6).to_bytes(8, "little") + b"{}")
-    with pytest.raises(CheckpointError,
-                       match="header length 1000000 exceeds the file \\(10 bytes\\)"):
+    with pytest.raises(
+        CheckpointError, match="header length 1000000 exceeds the file \\(10 bytes\\)"
+    ):
         read_safetensors_header(str(path))
 
 
@@ -282,5 +306,7 @@ def test_index_problems(tmp_path):
 
 def test_no_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    assert "no model.safetensors, model.safetensors.index.json or *.safetensors" in \
-        scan_checkpoint(str(tmp_path)).problems[0]
+    assert (
+        "no model.safetensors, model.safetensors.index.json or *.safetensors"
+        in scan_checkpoint(str(tmp_path)).problems[0]
+    )

@@ -44,14 +44,28 @@ def one_problem(cfg, **kw) -> str:
 def test_official_dflash():
     s = DraftSpec.from_config(dc.dflash_config(), path="/ckpt/dflash")
     assert (s.path, s.architecture, s.method, s.is_nemotron35) == (
-        "/ckpt/dflash", "DFlashDraftModel", "dflash", True)
-    assert (s.hidden_size, s.num_hidden_layers, s.num_attention_heads, s.num_key_value_heads,
-            s.head_dim, s.intermediate_size, s.vocab_size) == (2688, 6, 32, 2, 128, 6144, 131072)
+        "/ckpt/dflash",
+        "DFlashDraftModel",
+        "dflash",
+        True,
+    )
+    assert (
+        s.hidden_size,
+        s.num_hidden_layers,
+        s.num_attention_heads,
+        s.num_key_value_heads,
+        s.head_dim,
+        s.intermediate_size,
+        s.vocab_size,
+    ) == (2688, 6, 32, 2, 128, 6144, 131072)
     assert (s.causal, s.sliding_window, s.has_attention_sinks) == (False, None, False)
     assert s.layer_types == ("full_attention",) * 6
     assert s.rope_theta == 10000.0
-    assert s.rope_scaling == {"rope_type": "yarn", "factor": 128.0,
-                              "original_max_position_embeddings": 8192}
+    assert s.rope_scaling == {
+        "rope_type": "yarn",
+        "factor": 128.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert s.mask_token_id == 990
     assert s.target_layer_ids == (1, 5, 19, 29, 41, 51)
     assert s.aux_hidden_state_ids == (2, 6, 20, 30, 42, 52)
@@ -126,10 +140,17 @@ def test_structural_check():
     # Generic drafts.
     assert not is_nemotron35_draft_config(dc.zlab_qwen3_dflash_config())
     assert not is_nemotron35_draft_config(dc.generic_dspark_config())
-    for change in ({"has_embed_tokens": D}, {"has_embed_tokens": False},
-                   {"has_embed_tokens": "true"}, {"has_lm_head": D}, {"has_lm_head": True},
-                   {"eagle_aux_hidden_state_layer_ids": D}, {"dflash_config": D},
-                   {"dflash_config": []}, {"architectures": ["LlamaForCausalLMEagle3"]}):
+    for change in (
+        {"has_embed_tokens": D},
+        {"has_embed_tokens": False},
+        {"has_embed_tokens": "true"},
+        {"has_lm_head": D},
+        {"has_lm_head": True},
+        {"eagle_aux_hidden_state_layer_ids": D},
+        {"dflash_config": D},
+        {"dflash_config": []},
+        {"architectures": ["LlamaForCausalLMEagle3"]},
+    ):
         assert not is_nemotron35_draft_config(dc.mutated(dc.dflash_config(), **change)), change
     for junk in (None, [], "x", 3, {"architectures": "DFlashDraftModel"}):
         assert is_nemotron35_draft_config(junk) is False
@@ -152,11 +173,11 @@ def test_generic_zlab_dflash():
     assert s.resolve_num_speculative_tokens(None) == 15
     assert s.rope_theta == 1e6 and not s.causal
     assert s.is_quantized("fc") is False
-    validate_against_target(s, {"num_hidden_layers": 36, "hidden_size": 4096,
-                                "vocab_size": 151936})
+    validate_against_target(s, {"num_hidden_layers": 36, "hidden_size": 4096, "vocab_size": 151936})
     with pytest.raises(DraftSpecError, match="num_target_layers` is 36 but the target has 40"):
-        validate_against_target(s, {"num_hidden_layers": 40, "hidden_size": 4096,
-                                    "vocab_size": 151936})
+        validate_against_target(
+            s, {"num_hidden_layers": 40, "hidden_size": 4096, "vocab_size": 151936}
+        )
 
 
 def test_generic_dspark_defaults_to_anchor_layout():
@@ -179,14 +200,19 @@ def test_nemotron_markers_without_aux_ids_warn():
 def test_get_sample_from_anchor():
     assert get_sample_from_anchor({}) is True
     assert get_sample_from_anchor({"sample_from_anchor": False}) is False
-    assert get_sample_from_anchor({"sample_from_anchor": True,
-                                   "dflash_config": {"sample_from_anchor": True}}) is True
+    assert (
+        get_sample_from_anchor(
+            {"sample_from_anchor": True, "dflash_config": {"sample_from_anchor": True}}
+        )
+        is True
+    )
     assert get_sample_from_anchor(dc.dspark_config()) is False
     with pytest.raises(DraftSpecError, match="set only inside dflash_config .*ambiguous"):
         get_sample_from_anchor({"dflash_config": {"sample_from_anchor": False}})
     with pytest.raises(DraftSpecError, match=r"disagrees with the top-level `sample_from_anchor`"):
-        get_sample_from_anchor({"sample_from_anchor": True,
-                                "dflash_config": {"sample_from_anchor": False}})
+        get_sample_from_anchor(
+            {"sample_from_anchor": True, "dflash_config": {"sample_from_anchor": False}}
+        )
     with pytest.raises(DraftSpecError, match='expected true or false, found string "false"'):
         get_sample_from_anchor({"sample_from_anchor": "false"})
     with pytest.raises(DraftSpecError, match="expected a JSON object"):
@@ -194,8 +220,12 @@ def test_get_sample_from_anchor():
 
 
 def test_nemotron_dspark_without_anchor_flag_warns():
-    cfg = dc.mutated(dc.dspark_config(), sample_from_anchor=D,
-                     dflash_config__sample_from_anchor=D, dspark_bonus_anchor=D)
+    cfg = dc.mutated(
+        dc.dspark_config(),
+        sample_from_anchor=D,
+        dflash_config__sample_from_anchor=D,
+        dspark_bonus_anchor=D,
+    )
     s = DraftSpec.from_config(cfg)
     assert s.sample_from_anchor is True and s.num_query_rows(3) == 3
     assert any("`sample_from_anchor` is absent" in w for w in s.warnings)
@@ -207,10 +237,15 @@ def test_dspark_anchor_only_in_dflash_config_is_an_error():
 
 
 def test_dflash_never_samples_from_anchor():
-    problems = problems_of(dc.mutated(dc.dflash_config(), sample_from_anchor=True,
-                                      dflash_config__sample_from_anchor=True))
-    assert [p.split(":")[0] for p in problems] == ["`sample_from_anchor`",
-                                                   "`dflash_config.sample_from_anchor`"]
+    problems = problems_of(
+        dc.mutated(
+            dc.dflash_config(), sample_from_anchor=True, dflash_config__sample_from_anchor=True
+        )
+    )
+    assert [p.split(":")[0] for p in problems] == [
+        "`sample_from_anchor`",
+        "`dflash_config.sample_from_anchor`",
+    ]
     assert all("DFlash drafts never sample from the anchor" in p for p in problems)
     # For DFlash a dflash_config-only value is not ambiguous.
     s = DraftSpec.from_config(dc.mutated(dc.dflash_config(), sample_from_anchor=D))
@@ -259,8 +294,9 @@ def test_is_quantized():
     assert not s.is_quantized("embed_tokens")
     assert not s.is_quantized("markov_head.markov_w1")
     assert s.exclusion_pattern("layers.3.self_attn.o_proj") == "layers.*.self_attn.o_proj"
-    mixed = DraftSpec.from_config(dc.mutated(
-        dc.dspark_config(), quantization_config__ignore=["layers.*.self_attn.q_proj"]))
+    mixed = DraftSpec.from_config(
+        dc.mutated(dc.dspark_config(), quantization_config__ignore=["layers.*.self_attn.q_proj"])
+    )
     with pytest.raises(DraftSpecError, match="shards are quantized differently"):
         mixed.is_quantized("layers.0.self_attn.qkv_proj")
     bf16 = DraftSpec.from_config(dc.mutated(dc.dspark_config(), quantization_config=D))
@@ -268,120 +304,232 @@ def test_is_quantized():
 
 
 def test_quantization_config_forms():
-    legacy = dc.mutated(dc.dflash_config(), quantization_config={
-        "producer": {"name": "modelopt"},
-        "quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16,
-                         "exclude_modules": ["layers.*.self_attn*", "embed_tokens"]}})
+    legacy = dc.mutated(
+        dc.dflash_config(),
+        quantization_config={
+            "producer": {"name": "modelopt"},
+            "quantization": {
+                "quant_algo": "W4A16_NVFP4",
+                "group_size": 16,
+                "exclude_modules": ["layers.*.self_attn*", "embed_tokens"],
+            },
+        },
+    )
     s = DraftSpec.from_config(legacy)
     assert s.quant_algo == "W4A16_NVFP4" and s.quant_method == "modelopt"
     assert s.is_quantized("fc") and not s.is_quantized("layers.1.self_attn.v_proj")
-    groups = dc.mutated(dc.dflash_config(), quantization_config__group_size=D,
-                        quantization_config__config_groups={"g": {"weights": {"group_size": 32}}})
+    groups = dc.mutated(
+        dc.dflash_config(),
+        quantization_config__group_size=D,
+        quantization_config__config_groups={"g": {"weights": {"group_size": 32}}},
+    )
     assert "NVFP4 stores one scale per 16 inputs, found 32" in one_problem(groups)
 
 
 def test_hf_quant_config_file_fallback(tmp_path):
     cfg = dc.mutated(dc.dflash_config(), quantization_config=D)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "hf_quant_config.json").write_text(json.dumps({
-        "producer": {"name": "modelopt"},
-        "quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16,
-                         "exclude_modules": ["layers.*.self_attn*"]}}))
+    (tmp_path / "hf_quant_config.json").write_text(
+        json.dumps(
+            {
+                "producer": {"name": "modelopt"},
+                "quantization": {
+                    "quant_algo": "W4A16_NVFP4",
+                    "group_size": 16,
+                    "exclude_modules": ["layers.*.self_attn*"],
+                },
+            }
+        )
+    )
     s = DraftSpec.from_pretrained(tmp_path)
     assert s.quant_algo == "W4A16_NVFP4" and s.path == str(tmp_path)
 
 
 def test_markov_rank_and_group_size():
     p = one_problem(dc.mutated(dc.dspark_config(), markov_rank=500))
-    assert p == ("markov_head.markov_w2: NVFP4 (not excluded by quantization_config) needs "
-                 "in_features to be a multiple of the group size 16, but markov_rank 500 is not")
+    assert p == (
+        "markov_head.markov_w2: NVFP4 (not excluded by quantization_config) needs "
+        "in_features to be a multiple of the group size 16, but markov_rank 500 is not"
+    )
     # Excluded markov_w2 (BF16) or an unquantized draft: any rank.
-    excluded = dc.mutated(dc.dspark_config(), markov_rank=500, quantization_config__ignore=(
-        dc.dspark_config()["quantization_config"]["ignore"] + ["markov_head.markov_w2"]))
+    excluded = dc.mutated(
+        dc.dspark_config(),
+        markov_rank=500,
+        quantization_config__ignore=(
+            dc.dspark_config()["quantization_config"]["ignore"] + ["markov_head.markov_w2"]
+        ),
+    )
     assert DraftSpec.from_config(excluded).markov_rank == 500
-    assert DraftSpec.from_config(dc.mutated(dc.dspark_config(), markov_rank=500,
-                                            quantization_config=D)).markov_rank == 500
+    assert (
+        DraftSpec.from_config(
+            dc.mutated(dc.dspark_config(), markov_rank=500, quantization_config=D)
+        ).markov_rank
+        == 500
+    )
 
 
 # ---- validation errors ---------------------------------------------------------------------
 
 CASES = [
     ("dspark", {"hidden_size": D}, "`hidden_size`: missing (expected a positive integer)"),
-    ("dspark", {"hidden_size": "2688"},
-     '`hidden_size`: expected a positive integer, found string "2688"'),
-    ("dflash", {"num_hidden_layers": 0},
-     "`num_hidden_layers`: expected a positive integer, found integer 0"),
+    (
+        "dspark",
+        {"hidden_size": "2688"},
+        '`hidden_size`: expected a positive integer, found string "2688"',
+    ),
+    (
+        "dflash",
+        {"num_hidden_layers": 0},
+        "`num_hidden_layers`: expected a positive integer, found integer 0",
+    ),
     ("dflash", {"head_dim": D}, "`head_dim`: missing"),
     ("dflash", {"num_hidden_layers": 10**12}, "is not a draft's layer count (at most 1024"),
-    ("dflash", {"num_key_value_heads": 3},
-     "`num_key_value_heads`: 3 does not divide num_attention_heads 32"),
+    (
+        "dflash",
+        {"num_key_value_heads": 3},
+        "`num_key_value_heads`: 3 does not divide num_attention_heads 32",
+    ),
     ("dflash", {"rms_norm_eps": -1}, "`rms_norm_eps`: expected a positive finite number"),
     ("dflash", {"architectures": []}, "`architectures`: expected a non-empty list"),
     ("dflash", {"architectures": ["LlamaForCausalLM"]}, "is neither a DFlash"),
-    ("dflash", {"markov_rank": 512},
-     "is a DFlash draft but the config declares a DSpark Markov head"),
-    ("dspark", {"markov_head_type": "mlp"},
-     '`markov_head_type`: the Nemotron 3.5 DSpark draft needs "vanilla", found "mlp"'),
-    ("dspark", {"markov_head_type": D}, '`markov_head_type`: missing'),
+    (
+        "dflash",
+        {"markov_rank": 512},
+        "is a DFlash draft but the config declares a DSpark Markov head",
+    ),
+    (
+        "dspark",
+        {"markov_head_type": "mlp"},
+        '`markov_head_type`: the Nemotron 3.5 DSpark draft needs "vanilla", found "mlp"',
+    ),
+    ("dspark", {"markov_head_type": D}, "`markov_head_type`: missing"),
     ("dspark", {"markov_rank": D}, "`markov_rank`: missing"),
     ("dspark", {"block_size": D}, "`block_size`: missing"),
     ("dspark", {"block_size": 8.0}, "`block_size`: expected a positive integer, found number 8.0"),
-    ("dspark", {"dflash_config__block_size": 6},
-     "block sizes disagree: `block_size` = 8, `dflash_config.block_size` = 6"),
-    ("dflash", {"eagle_aux_hidden_state_layer_ids": [2, 6, 20, 30, 42, 53]},
-     "must be target_layer_ids + 1"),
-    ("dflash", {"dflash_config__target_layer_ids": [1, 5, 19, 29, 41, 50]},
-     "target layer ids disagree"),
-    ("dflash", {"target_layer_ids": [1, 1, 19, 29, 41, 51]},
-     "expected a non-empty list of distinct non-negative integers"),
-    ("dflash", {"target_layer_ids": D, "dflash_config__target_layer_ids": D},
-     "`target_layer_ids`: missing"),
+    (
+        "dspark",
+        {"dflash_config__block_size": 6},
+        "block sizes disagree: `block_size` = 8, `dflash_config.block_size` = 6",
+    ),
+    (
+        "dflash",
+        {"eagle_aux_hidden_state_layer_ids": [2, 6, 20, 30, 42, 53]},
+        "must be target_layer_ids + 1",
+    ),
+    (
+        "dflash",
+        {"dflash_config__target_layer_ids": [1, 5, 19, 29, 41, 50]},
+        "target layer ids disagree",
+    ),
+    (
+        "dflash",
+        {"target_layer_ids": [1, 1, 19, 29, 41, 51]},
+        "expected a non-empty list of distinct non-negative integers",
+    ),
+    (
+        "dflash",
+        {"target_layer_ids": D, "dflash_config__target_layer_ids": D},
+        "`target_layer_ids`: missing",
+    ),
     ("dflash", {"num_aux_layers": 5}, "`num_aux_layers` is 5 but target_layer_ids has 6 entries"),
     ("dflash", {"mask_token_id": 991}, "mask token ids disagree"),
-    ("dflash", {"mask_token_id": D, "pard_token": D, "dflash_config__mask_token_id": D},
-     "`mask_token_id`: missing"),
-    ("dflash", {"mask_token_id": 200000, "pard_token": 200000,
-                "dflash_config__mask_token_id": 200000},
-     "`mask_token_id`: 200000 is not below vocab_size 131072"),
-    ("dflash", {"is_causal": True},
-     "`dflash_config.causal` (false) disagrees with the top-level `is_causal` (true)"),
-    ("dspark", {"dflash_config__swa_window_size": 512},
-     "`dflash_config.swa_window_size` (512) disagrees with the top-level `sliding_window` (1024)"),
-    ("dspark", {"dflash_config__swa_window_size": D, "sliding_window": D},
-     "`sliding_window`: missing"),
-    ("dspark", {"dflash_config__use_swa": False},
-     "`dflash_config.use_swa` is false but `layer_types` are ['sliding_attention']"),
-    ("dspark", {"attention_sink_bias": False},
-     "`dflash_config.attention_sink_bias` (true) disagrees"),
-    ("dspark", {"dspark_bonus_anchor": False},
-     "`dspark_bonus_anchor` (false) contradicts `sample_from_anchor` (false)"),
-    ("dspark", {"dflash_config__sample_from_anchor": True},
-     "`dflash_config.sample_from_anchor` (true) disagrees"),
+    (
+        "dflash",
+        {"mask_token_id": D, "pard_token": D, "dflash_config__mask_token_id": D},
+        "`mask_token_id`: missing",
+    ),
+    (
+        "dflash",
+        {"mask_token_id": 200000, "pard_token": 200000, "dflash_config__mask_token_id": 200000},
+        "`mask_token_id`: 200000 is not below vocab_size 131072",
+    ),
+    (
+        "dflash",
+        {"is_causal": True},
+        "`dflash_config.causal` (false) disagrees with the top-level `is_causal` (true)",
+    ),
+    (
+        "dspark",
+        {"dflash_config__swa_window_size": 512},
+        "`dflash_config.swa_window_size` (512) disagrees with the top-level `sliding_window` (1024)",
+    ),
+    (
+        "dspark",
+        {"dflash_config__swa_window_size": D, "sliding_window": D},
+        "`sliding_window`: missing",
+    ),
+    (
+        "dspark",
+        {"dflash_config__use_swa": False},
+        "`dflash_config.use_swa` is false but `layer_types` are ['sliding_attention']",
+    ),
+    (
+        "dspark",
+        {"attention_sink_bias": False},
+        "`dflash_config.attention_sink_bias` (true) disagrees",
+    ),
+    (
+        "dspark",
+        {"dspark_bonus_anchor": False},
+        "`dspark_bonus_anchor` (false) contradicts `sample_from_anchor` (false)",
+    ),
+    (
+        "dspark",
+        {"dflash_config__sample_from_anchor": True},
+        "`dflash_config.sample_from_anchor` (true) disagrees",
+    ),
     ("dspark", {"sample_from_anchor": "no"}, "`sample_from_anchor`: expected true or false"),
-    ("dflash", {"layer_types": ["full_attention"] * 5},
-     "`layer_types` has 5 entries but num_hidden_layers is 6"),
-    ("dflash", {"layer_types": ["full_attention"] * 5 + ["sliding_attention"]},
-     "one attention type for all layers"),
-    ("dflash", {"layer_types": ["linear_attention"] * 6},
-     "unknown attention type(s) ['linear_attention']"),
-    ("dflash", {"rope_scaling": {"rope_type": "yarn", "factor": 128.0}},
-     "`rope_scaling.original_max_position_embeddings`: missing"),
+    (
+        "dflash",
+        {"layer_types": ["full_attention"] * 5},
+        "`layer_types` has 5 entries but num_hidden_layers is 6",
+    ),
+    (
+        "dflash",
+        {"layer_types": ["full_attention"] * 5 + ["sliding_attention"]},
+        "one attention type for all layers",
+    ),
+    (
+        "dflash",
+        {"layer_types": ["linear_attention"] * 6},
+        "unknown attention type(s) ['linear_attention']",
+    ),
+    (
+        "dflash",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 128.0}},
+        "`rope_scaling.original_max_position_embeddings`: missing",
+    ),
     ("dflash", {"rope_theta": D}, "`rope_theta`: missing"),
-    ("dflash", {"rope_parameters": {"rope_theta": 5e5}},
-     "`rope_theta` (10000) disagrees with `rope_parameters.rope_theta` (500000)"),
+    (
+        "dflash",
+        {"rope_parameters": {"rope_theta": 5e5}},
+        "`rope_theta` (10000) disagrees with `rope_parameters.rope_theta` (500000)",
+    ),
     ("dflash", {"has_embed_tokens": "yes"}, "`has_embed_tokens`: expected true or false"),
     ("dflash", {"hidden_act": "gelu"}, "SiLU"),
-    ("dflash", {"quantization_config": []},
-     "`quantization_config`: expected an object, found array []"),
+    (
+        "dflash",
+        {"quantization_config": []},
+        "`quantization_config`: expected an object, found array []",
+    ),
     ("dflash", {"quantization_config__quant_algo": D}, "`quantization_config.quant_algo`: missing"),
-    ("dflash", {"quantization_config__ignore": "embed_tokens"},
-     "`quantization_config.ignore`: expected a list of strings"),
-    ("dflash", {"quantization_config__ignore": [""]},
-     "an empty pattern would exclude every module"),
+    (
+        "dflash",
+        {"quantization_config__ignore": "embed_tokens"},
+        "`quantization_config.ignore`: expected a list of strings",
+    ),
+    (
+        "dflash",
+        {"quantization_config__ignore": [""]},
+        "an empty pattern would exclude every module",
+    ),
     ("dflash", {"quantization_config__exclude_modules": ["fc"]}, "list different modules"),
     ("dflash", {"dflash_config": "causal"}, "`dflash_config`: expected an object"),
-    ("dflash", {"draft_vocab_size": 32000},
-     "the Nemotron 3.5 drafts use the full target vocabulary"),
+    (
+        "dflash",
+        {"draft_vocab_size": 32000},
+        "the Nemotron 3.5 drafts use the full target vocabulary",
+    ),
 ]
 
 
@@ -393,15 +541,24 @@ def test_validation_error(kind, change, expected):
 
 
 def test_all_problems_are_reported_at_once():
-    cfg = dc.mutated(dc.dspark_config(), hidden_size=D, markov_head_type="mlp",
-                     mask_token_id=7, dflash_config__causal="yes")
+    cfg = dc.mutated(
+        dc.dspark_config(),
+        hidden_size=D,
+        markov_head_type="mlp",
+        mask_token_id=7,
+        dflash_config__causal="yes",
+    )
     with pytest.raises(DraftSpecError) as info:
         DraftSpec.from_config(cfg, path="/d")
     assert len(info.value.problems) == 4
     text = str(info.value)
     assert text.startswith("draft /d: 4 problems:\n  - ")
-    for needle in ("`hidden_size`: missing", '"mlp"', "mask token ids disagree",
-                   '`dflash_config.causal`: expected true or false, found string "yes"'):
+    for needle in (
+        "`hidden_size`: missing",
+        '"mlp"',
+        "mask token ids disagree",
+        '`dflash_config.causal`: expected true or false, found string "yes"',
+    ):
         assert needle in text
 
 
@@ -418,8 +575,9 @@ def test_against_target_ok_and_last_id():
     # aux id 52 (= after block 51, before the final norm) is allowed for a 52-block target.
     s = DraftSpec.from_config(dc.dflash_config(), target_config=dc.target_config())
     assert s.aux_hidden_state_ids[-1] == 52 == target_num_blocks(dc.target_config())
-    small = DraftSpec.from_config(dc.dspark_config(dc.SMALL),
-                                  target_config=dc.target_config(dc.SMALL))
+    small = DraftSpec.from_config(
+        dc.dspark_config(dc.SMALL), target_config=dc.target_config(dc.SMALL)
+    )
     assert small.aux_hidden_state_ids == (1, 4)
 
 
@@ -431,7 +589,8 @@ def test_against_target_errors():
     assert info.value.problems == (
         "aux hidden state id 52 (target_layer_ids[5] = 51, + 1) is beyond the target's 50 "
         "blocks: aux id k is the residual stream after block k-1, so ids run 1..50 (50 = after "
-        "the last block, before the final norm)",)
+        "the last block, before the final norm)",
+    )
     with pytest.raises(DraftSpecError) as info:
         validate_against_target(s, dict(t, vocab_size=131073, hidden_size=4096))
     text = str(info.value)
@@ -444,14 +603,18 @@ def test_against_target_errors():
     validate_against_target(s, no_pattern)
     with pytest.raises(DraftSpecError, match="beyond the target's 51 blocks"):
         validate_against_target(s, dict(no_pattern, num_hidden_layers=51))
-    with pytest.raises(DraftSpecError, match="missing `layers_block_type`, `hybrid_override_pattern` and `num_hidden_layers`"):
+    with pytest.raises(
+        DraftSpecError,
+        match="missing `layers_block_type`, `hybrid_override_pattern` and `num_hidden_layers`",
+    ):
         validate_against_target(s, {"vocab_size": 131072, "hidden_size": 2688})
     with pytest.raises(DraftSpecError, match="target config: expected a JSON object"):
         validate_against_target(s, [])
     with pytest.raises(DraftSpecError, match="beyond the target's 40 blocks"):
-        DraftSpec.from_config(dc.dflash_config(),
-                              target_config=dict(t, hybrid_override_pattern="M" * 40,
-                                                 num_hidden_layers=40))
+        DraftSpec.from_config(
+            dc.dflash_config(),
+            target_config=dict(t, hybrid_override_pattern="M" * 40, num_hidden_layers=40),
+        )
 
 
 # ---- from_pretrained -----------------------------------------------------------------------
@@ -466,8 +629,9 @@ def test_from_pretrained_errors(tmp_path):
     with pytest.raises(DraftSpecError, match="invalid JSON at line 1 column"):
         DraftSpec.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
-    with pytest.raises(DraftSpecError,
-                       match="expected a JSON object at the top level, found array"):
+    with pytest.raises(
+        DraftSpecError, match="expected a JSON object at the top level, found array"
+    ):
         DraftSpec.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")
     with pytest.raises(DraftSpecError, match="not UTF-8"):
@@ -485,23 +649,36 @@ def test_from_pretrained_errors(tmp_path):
 # ---- fuzz: the parser raises DraftSpecError or returns a spec, nothing else ------------------
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=10,
 )
-KEYS = sorted(set(dc.dspark_config()) | set(dc.dflash_config()) | {"rope_parameters",
-                                                                    "is_causal", "block_size"})
+KEYS = sorted(
+    set(dc.dspark_config())
+    | set(dc.dflash_config())
+    | {"rope_parameters", "is_causal", "block_size"}
+)
 
 
 @st.composite
 def corrupted_configs(draw):
-    cfg = draw(st.sampled_from([dc.dflash_config, dc.dspark_config, dc.zlab_qwen3_dflash_config,
-                                dc.generic_dspark_config]))()
+    cfg = draw(
+        st.sampled_from(
+            [
+                dc.dflash_config,
+                dc.dspark_config,
+                dc.zlab_qwen3_dflash_config,
+                dc.generic_dspark_config,
+            ]
+        )
+    )()
     for _ in range(draw(st.integers(1, 4))):
         where = cfg
-        nested = draw(st.sampled_from([None, "dflash_config", "quantization_config",
-                                       "rope_scaling"]))
+        nested = draw(
+            st.sampled_from([None, "dflash_config", "quantization_config", "rope_scaling"])
+        )
         if nested and isinstance(cfg.get(nested), dict):
             where = cfg[nested]
         keys = sorted(where) or ["x"]

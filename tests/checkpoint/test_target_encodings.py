@@ -52,15 +52,21 @@ def test_every_encoding_counts_the_same_blocks(saved, tmp_path, tiny_family):
     pattern_only = {k: v for k, v in t5.items() if k != "layers_block_type"}
     pattern_only["hybrid_override_pattern"] = config.hybrid_override_pattern  # transformers' own
     nested = {"architectures": ["NemotronHForCausalLM"], "text_config": t5}
-    legacy_names = dict(t5, layers_block_type=[{"linear_attention": "mamba", "full_attention":
-                                                "attention"}.get(t, t)
-                                               for t in t5["layers_block_type"]])
+    legacy_names = dict(
+        t5,
+        layers_block_type=[
+            {"linear_attention": "mamba", "full_attention": "attention"}.get(t, t)
+            for t in t5["layers_block_type"]
+        ],
+    )
     for cfg in (t5, pattern_only, nested, legacy_names):
         assert target_num_blocks(cfg) == BLOCKS
     assert target_num_blocks(config) == BLOCKS  # the object vLLM passes
     assert target_num_blocks(AutoConfig.from_pretrained(str(out))) == BLOCKS
-    assert pattern_only["hybrid_override_pattern"] == json.loads(
-        (tiny_family.target / "config.json").read_text())["hybrid_override_pattern"]
+    assert (
+        pattern_only["hybrid_override_pattern"]
+        == json.loads((tiny_family.target / "config.json").read_text())["hybrid_override_pattern"]
+    )
 
 
 def test_inspect_accepts_the_trained_drafts_against_each_encoding(saved, tmp_path, tiny_family):
@@ -68,8 +74,9 @@ def test_inspect_accepts_the_trained_drafts_against_each_encoding(saved, tmp_pat
 
     _, out = saved
     t5 = json.loads((out / "config.json").read_text())
-    nested = _write(tmp_path, "nested", {"architectures": ["NemotronHForCausalLM"],
-                                         "text_config": t5})
+    nested = _write(
+        tmp_path, "nested", {"architectures": ["NemotronHForCausalLM"], "text_config": t5}
+    )
     trained = ensure_trained_drafts(family=tiny_family)
     for draft in (trained.dspark, trained.dflash):
         for target in (out, nested, tiny_family.target):

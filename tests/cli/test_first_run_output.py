@@ -12,20 +12,32 @@ from vllm_nemotron_spec.cli import main as cli
 
 def test_demo_report_names_the_trained_drafts_and_a_serve_line(tmp_path):
     report = {
-        "vllm_version": "0.32.0", "platform": "cpu", "family": str(tmp_path / "fam"),
+        "vllm_version": "0.32.0",
+        "platform": "cpu",
+        "family": str(tmp_path / "fam"),
         "target": str(tmp_path / "fam" / "target"),
-        "drafts": {"dflash": str(tmp_path / "tiny-drafts-trained-seed0" / "dflash"),
-                   "dspark": str(tmp_path / "tiny-drafts-trained-seed0" / "dspark")},
+        "drafts": {
+            "dflash": str(tmp_path / "tiny-drafts-trained-seed0" / "dflash"),
+            "dspark": str(tmp_path / "tiny-drafts-trained-seed0" / "dspark"),
+        },
         "max_tokens": 8,
-        "runs": [{"method": "plain", "num_prompts": 1, "output_tokens": 8, "tokens_per_s": 1.0,
-                  "mean_acceptance_length": None, "lossless": True,
-                  "first_mismatching_prompt": None}],
+        "runs": [
+            {
+                "method": "plain",
+                "num_prompts": 1,
+                "output_tokens": 8,
+                "tokens_per_s": 1.0,
+                "mean_acceptance_length": None,
+                "lossless": True,
+                "first_mismatching_prompt": None,
+            }
+        ],
     }
     text = demo.format_report(report)
     assert f"dflash draft (trained against the target): {report['drafts']['dflash']}" in text
     assert f"dspark draft (trained against the target): {report['drafts']['dspark']}" in text
     serve = next(line for line in text.splitlines() if line.startswith("serve: "))
-    argv = shlex.split(serve[len("serve: "):])
+    argv = shlex.split(serve[len("serve: ") :])
     assert argv[:4] == ["vllm-nemotron-spec", "vllm", "serve", report["target"]]
     assert argv[argv.index("--dtype") + 1] == "float32"
     config = json.loads(argv[argv.index("--speculative-config") + 1])
@@ -36,13 +48,17 @@ def test_make_tiny_prints_absolute_paths_and_trained_drafts(monkeypatch, tmp_pat
     from vllm_nemotron_spec.tiny import build, train_draft
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(build, "build_tiny_family",
-                        lambda outdir, seed=0, force=False, progress=True:
-                        build.TinyFamily.at(outdir))
+    monkeypatch.setattr(
+        build,
+        "build_tiny_family",
+        lambda outdir, seed=0, force=False, progress=True: build.TinyFamily.at(outdir),
+    )
     trained_root = tmp_path / "tiny-drafts-trained-seed3"
-    monkeypatch.setattr(train_draft, "ensure_trained_drafts",
-                        lambda seed=0, family=None, progress=True:
-                        train_draft.TrainedDrafts.at(trained_root))
+    monkeypatch.setattr(
+        train_draft,
+        "ensure_trained_drafts",
+        lambda seed=0, family=None, progress=True: train_draft.TrainedDrafts.at(trained_root),
+    )
     assert cli.main(["make-tiny", "rel", "--seed", "3", "--trained", "--quiet"]) == 0
     out = capsys.readouterr().out.splitlines()
     fields = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in out}
@@ -53,7 +69,8 @@ def test_make_tiny_prints_absolute_paths_and_trained_drafts(monkeypatch, tmp_pat
     argv = shlex.split(fields["serve"])
     assert argv[3] == str(tmp_path / "rel" / "target")
     assert json.loads(argv[argv.index("--speculative-config") + 1])["model"] == str(
-        trained_root / "dflash")
+        trained_root / "dflash"
+    )
 
 
 def test_vllm_passthrough_hands_help_to_vllm():

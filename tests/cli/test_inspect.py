@@ -54,14 +54,19 @@ def test_official_dspark_text(capsys, full):
     assert "8 drafted tokens (block_size 8, at most 8) -> 9 query rows" in lines["gamma"]
     assert lines["mask token"].endswith("990")
     assert "causal, sliding window 1024, attention sinks; RoPE theta 10000" in lines["attention"]
-    assert "[2, 6, 20, 30, 42, 52] (target_layer_ids [1, 5, 19, 29, 41, 51] + 1) vs the " \
-           "target's 52 blocks: ok" in lines["aux ids"]
+    assert (
+        "[2, 6, 20, 30, 42, 52] (target_layer_ids [1, 5, 19, 29, 41, 51] + 1) vs the "
+        "target's 52 blocks: ok" in lines["aux ids"]
+    )
     assert "embed_tokens: the draft's own; lm_head: the target's" in lines["embedding"]
     assert lines["serve"].endswith(
-        f"vllm serve {full['target']} --speculative-config '{{\"method\": \"dspark\", \"model\": "
-        f"\"{full['dspark']}\", \"num_speculative_tokens\": 8}}'")
-    assert ("NVFP4  fc" in out and "logical [2688, 16128] stored uint8 [2688, 8064], scales "
-            "F8_E4M3 [2688, 1008]" in out)
+        f'vllm serve {full["target"]} --speculative-config \'{{"method": "dspark", "model": '
+        f'"{full["dspark"]}", "num_speculative_tokens": 8}}\''
+    )
+    assert (
+        "NVFP4  fc" in out
+        and "logical [2688, 16128] stored uint8 [2688, 8064], scales F8_E4M3 [2688, 1008]" in out
+    )
     assert "NVFP4  markov_head.markov_w2" in out and "[131072, 256]" in out
     assert "BF16   layers.*.self_attn.q_proj (x6)" in out
     assert "BF16   markov_head.markov_w1.weight" in out
@@ -75,11 +80,15 @@ def test_official_dflash_json(capsys, full):
     assert r["aux_hidden_state_ids"] == [2, 6, 20, 30, 42, 52] and r["target_blocks"] == 52
     assert (r["embed_tokens"], r["lm_head"]) == ("draft", "target")
     assert r["attention"]["causal"] is False and r["attention"]["sliding_window"] is None
-    assert r["speculative_config"] == {"method": "dflash", "model": full["dflash"],
-                                       "num_speculative_tokens": 6}
+    assert r["speculative_config"] == {
+        "method": "dflash",
+        "model": full["dflash"],
+        "num_speculative_tokens": 6,
+    }
     nvfp4 = {m["name"] for m in r["quantization"]["modules"] if m["format"] == "nvfp4"}
-    assert nvfp4 == {"fc"} | {f"layers.{i}.mlp.{p}_proj" for i in range(6)
-                              for p in ("gate", "up", "down")}
+    assert nvfp4 == {"fc"} | {
+        f"layers.{i}.mlp.{p}_proj" for i in range(6) for p in ("gate", "up", "down")
+    }
     assert r["checkpoint"]["num_tensors"] == len(r["checkpoint"]["tensors"]) == 108
     assert r["spec"]["rope_scaling"]["rope_type"] == "yarn"
 
@@ -88,13 +97,19 @@ def test_without_target_the_command_has_a_placeholder(capsys, full):
     rc, out, _ = inspect(capsys, full["dflash"])
     assert rc == 0
     assert "pass --target to check them against the target's blocks" in out
-    assert (f"vllm serve TARGET --speculative-config '{{\"method\": \"dflash\", \"model\": "
-            f"\"{full['dflash']}\", \"num_speculative_tokens\": 5}}'") in out
+    assert (
+        f'vllm serve TARGET --speculative-config \'{{"method": "dflash", "model": '
+        f'"{full["dflash"]}", "num_speculative_tokens": 5}}\''
+    ) in out
 
 
 def test_config_json_path(capsys, full):
-    rc, r = inspect_json(capsys, os.path.join(full["dspark"], "config.json"), "--target",
-                         os.path.join(full["target"], "config.json"))
+    rc, r = inspect_json(
+        capsys,
+        os.path.join(full["dspark"], "config.json"),
+        "--target",
+        os.path.join(full["target"], "config.json"),
+    )
     assert rc == 0
     assert r["speculative_config"]["model"] == full["dspark"]
     assert f"vllm serve {full['target']} --speculative-config" in r["serve_command"]
@@ -109,9 +124,15 @@ def test_gamma_beyond_block_size(capsys, full):
 
 
 def test_target_with_fewer_blocks(capsys, full, tmp_path):
-    target = dc.write_target(str(tmp_path), dict(dc.target_config(),
-                                                 hybrid_override_pattern="ME" * 25,
-                                                 num_hidden_layers=50, vocab_size=131000))
+    target = dc.write_target(
+        str(tmp_path),
+        dict(
+            dc.target_config(),
+            hybrid_override_pattern="ME" * 25,
+            num_hidden_layers=50,
+            vocab_size=131000,
+        ),
+    )
     rc, r = inspect_json(capsys, full["dflash"], "--target", target)
     assert rc == 2 and not r["ok"] and "serve_command" not in r
     assert r["problems"] == [
@@ -126,23 +147,38 @@ def test_target_with_fewer_blocks(capsys, full, tmp_path):
 def test_every_problem_is_listed(capsys, tmp_path):
     import torch
 
-    cfg = dc.mutated(dc.dspark_config(dc.SMALL), markov_head_type="mlp",
-                     eagle_aux_hidden_state_layer_ids=[1, 5])
-    d = dc.write_draft(str(tmp_path), cfg, tensors_hook=lambda t: dict(
-        t, **{"layers.0.mlp.up_proj.weight": torch.zeros(96, 64, dtype=torch.bfloat16)}))
+    cfg = dc.mutated(
+        dc.dspark_config(dc.SMALL), markov_head_type="mlp", eagle_aux_hidden_state_layer_ids=[1, 5]
+    )
+    d = dc.write_draft(
+        str(tmp_path),
+        cfg,
+        tensors_hook=lambda t: dict(
+            t, **{"layers.0.mlp.up_proj.weight": torch.zeros(96, 64, dtype=torch.bfloat16)}
+        ),
+    )
     rc, out, err = inspect(capsys, d)
     assert rc == 2
     assert "2 problem(s):" in err
     assert '`markov_head_type`: the Nemotron 3.5 DSpark draft needs "vanilla"' in err
     assert "`eagle_aux_hidden_state_layer_ids` is [1, 5] but must be target_layer_ids + 1" in err
     # Weights are checked once the config is valid.
-    rc, out, err = inspect(capsys, dc.write_draft(str(tmp_path / "ok"), dc.dspark_config(dc.SMALL),
-                                                  tensors_hook=lambda t: dict(
-        t, **{"layers.0.mlp.up_proj.weight": torch.zeros(96, 64, dtype=torch.bfloat16)})))
+    rc, out, err = inspect(
+        capsys,
+        dc.write_draft(
+            str(tmp_path / "ok"),
+            dc.dspark_config(dc.SMALL),
+            tensors_hook=lambda t: dict(
+                t, **{"layers.0.mlp.up_proj.weight": torch.zeros(96, 64, dtype=torch.bfloat16)}
+            ),
+        ),
+    )
     assert rc == 2
-    assert ("draft weights: `layers.0.mlp.up_proj.weight`: found BF16 [96, 64] (unquantized) but "
-            "quantization_config (W4A16_NVFP4) does not exclude `layers.0.mlp.up_proj`: expected "
-            "NVFP4 uint8 [96, 32] (logical [96, 64])") in err
+    assert (
+        "draft weights: `layers.0.mlp.up_proj.weight`: found BF16 [96, 64] (unquantized) but "
+        "quantization_config (W4A16_NVFP4) does not exclude `layers.0.mlp.up_proj`: expected "
+        "NVFP4 uint8 [96, 32] (logical [96, 64])"
+    ) in err
     assert "<- problem" in out
 
 
@@ -153,8 +189,10 @@ def test_generic_draft(capsys, tmp_path):
     rc, r = inspect_json(capsys, d)
     assert rc == 2  # no weights written
     assert r["nemotron35_layout"] is False and r["num_speculative_tokens"] == 15
-    assert r["problems"][0].startswith("draft weights: ") and "no model.safetensors" in \
-        r["problems"][0]
+    assert (
+        r["problems"][0].startswith("draft weights: ")
+        and "no model.safetensors" in r["problems"][0]
+    )
 
 
 def test_bad_paths(capsys, tmp_path):
@@ -169,9 +207,10 @@ def test_bad_paths(capsys, tmp_path):
 # ---- fuzz: whatever the files hold, inspect answers 0 or 2 and never a traceback -------------
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=10,
 )
 
@@ -222,8 +261,11 @@ def config_edits(draw):
     return cfg
 
 
-@settings(max_examples=120, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(cfg=config_edits(), gamma=st.one_of(st.none(), st.integers(-1, 9)))
 def test_fuzz_corrupted_config(capsys, fuzz_dir, cfg, gamma):
     work = fresh(fuzz_dir)
@@ -232,22 +274,29 @@ def test_fuzz_corrupted_config(capsys, fuzz_dir, cfg, gamma):
     run_fuzz(capsys, work, *extra)
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(content=st.one_of(
-    JSON.map(lambda v: json.dumps(v).encode()),
-    st.binary(max_size=64),
-    st.integers(0, 2000).map(
-        lambda n: json.dumps(dc.dspark_config(dc.SMALL)).encode()[:n]),
-))
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    content=st.one_of(
+        JSON.map(lambda v: json.dumps(v).encode()),
+        st.binary(max_size=64),
+        st.integers(0, 2000).map(lambda n: json.dumps(dc.dspark_config(dc.SMALL)).encode()[:n]),
+    )
+)
 def test_fuzz_config_file_content(capsys, fuzz_dir, content):
     work = fresh(fuzz_dir)
     (work / "config.json").write_bytes(content)
     run_fuzz(capsys, work)
 
 
-@settings(max_examples=80, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_fuzz_corrupted_safetensors(capsys, fuzz_dir, data):
     work = fresh(fuzz_dir)
@@ -258,29 +307,50 @@ def test_fuzz_corrupted_safetensors(capsys, fuzz_dir, data):
     if kind == "length":
         raw[:8] = data.draw(st.integers(0, 2**64 - 1)).to_bytes(8, "little")
     elif kind == "truncate":
-        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
     elif kind == "flip":
         for _ in range(data.draw(st.integers(1, 8))):
             i = data.draw(st.integers(8, 8 + length - 1))
             raw[i] = data.draw(st.integers(0, 255))
     elif kind == "header":
         header = json.dumps(data.draw(JSON)).encode()
-        raw = bytearray(len(header).to_bytes(8, "little") + header + raw[8 + length:])
+        raw = bytearray(len(header).to_bytes(8, "little") + header + raw[8 + length :])
     else:
         index = work / "model.safetensors.index.json"
-        index.write_bytes(data.draw(st.one_of(
-            JSON.map(lambda v: json.dumps({"weight_map": v}).encode()),
-            JSON.map(lambda v: json.dumps(v).encode()), st.binary(max_size=32))))
+        index.write_bytes(
+            data.draw(
+                st.one_of(
+                    JSON.map(lambda v: json.dumps({"weight_map": v}).encode()),
+                    JSON.map(lambda v: json.dumps(v).encode()),
+                    st.binary(max_size=32),
+                )
+            )
+        )
     shard.write_bytes(bytes(raw))
     run_fuzz(capsys, work)
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(edit=st.tuples(st.sampled_from(["hybrid_override_pattern", "num_hidden_layers",
-                                       "vocab_size", "hidden_size", "text_config", "x"]),
-                      JSON),
-       whole=st.one_of(st.none(), JSON, st.binary(max_size=16)))
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    edit=st.tuples(
+        st.sampled_from(
+            [
+                "hybrid_override_pattern",
+                "num_hidden_layers",
+                "vocab_size",
+                "hidden_size",
+                "text_config",
+                "x",
+            ]
+        ),
+        JSON,
+    ),
+    whole=st.one_of(st.none(), JSON, st.binary(max_size=16)),
+)
 def test_fuzz_corrupted_target(capsys, fuzz_dir, edit, whole):
     target = fuzz_dir / "fuzz_target"
     target.mkdir(exist_ok=True)

@@ -50,7 +50,8 @@ def test_truncated_file_is_named_once_and_its_tensors_marked(capsys, models, tmp
     assert len(weight_problems) == 1, weight_problems
     assert weight_problems[0].startswith(
         f"draft weights: model.safetensors: truncated: the file has {cut} bytes but its header "
-        f"describes {full_size} ({full_size - cut} missing);")
+        f"describes {full_size} ({full_size - cut} missing);"
+    )
     assert not any("data_offsets" in p for p in report["problems"])
     tensors = report["checkpoint"]["tensors"]
     past = [t for t in tensors if t["truncated"]]

@@ -28,14 +28,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 def snapshot(root: Path) -> dict[str, str]:
     """Relative path -> SHA-256 of every file under ``root`` (hidden ones included)."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def run_cli(*argv, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "vllm_nemotron_spec.cli.main", *map(str, argv)], cwd=cwd,
-        capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, "-m", "vllm_nemotron_spec.cli.main", *map(str, argv)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
         env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
     )
 
@@ -73,10 +80,16 @@ def test_quantize_never_replaces_the_source_cwd_home_or_their_parents(parent, tm
     cwd = parent if where == "cwd" else tmp_path
     out = {"parent": parent, "source": parent / "src", "cwd": ".", "home": "~", "root": "/"}[where]
     before = snapshot(tmp_path)
-    result = run_cli("quantize", parent / "src", out, "--force", "--quiet", cwd=cwd,
-                     env={"HOME": str(home)})
-    why = {"parent": "contains", "source": "is the source", "cwd": "is the working directory",
-           "home": "is the home directory", "root": "is the root directory"}[where]
+    result = run_cli(
+        "quantize", parent / "src", out, "--force", "--quiet", cwd=cwd, env={"HOME": str(home)}
+    )
+    why = {
+        "parent": "contains",
+        "source": "is the source",
+        "cwd": "is the working directory",
+        "home": "is the home directory",
+        "root": "is the root directory",
+    }[where]
     assert_one_line_refusal(result, "vllm-nemotron-spec quantize: ", why, "refusing")
     assert snapshot(tmp_path) == before
 
@@ -161,16 +174,29 @@ def test_quantize_killed_half_way_leaves_the_old_output(parent, tmp_path, sig):
     assert main(["quantize", str(src), str(out), "--quiet"]) == 0
     before = snapshot(out)
     result = subprocess.run(
-        [sys.executable, "-c", KILL_MIDWAY.format(sig=sig), "quantize", str(src), str(out),
-         "--quiet", "--force"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-c",
+            KILL_MIDWAY.format(sig=sig),
+            "quantize",
+            str(src),
+            str(out),
+            "--quiet",
+            "--force",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert snapshot(out) == before
     if sig == "SIGTERM":  # handled: one line, the temporary directory removed
         assert result.returncode == 130, result.stderr
-        assert result.stderr == ("vllm-nemotron-spec quantize: terminated (signal "
-                                 f"{int(signal.SIGTERM)})\n")
+        assert result.stderr == (
+            f"vllm-nemotron-spec quantize: terminated (signal {int(signal.SIGTERM)})\n"
+        )
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "parent"]
     else:  # not catchable: only the hidden temporary sibling is left behind
         assert result.returncode == -signal.SIGKILL
@@ -193,8 +219,12 @@ def test_make_tiny_refuses_in_one_line(tmp_path, where):
     before = snapshot(tmp_path)
     for extra in ((), ("--force",)):
         result = run_cli("make-tiny", out, "--quiet", *extra, cwd=cwd, env={"HOME": str(home)})
-        why = {"foreign": "was not written by this command", "cwd": "is the working directory",
-               "home": "is the home directory", "parent-of-cwd": "is the home directory"}[where]
+        why = {
+            "foreign": "was not written by this command",
+            "cwd": "is the working directory",
+            "home": "is the home directory",
+            "parent-of-cwd": "is the home directory",
+        }[where]
         line = assert_one_line_refusal(result, "vllm-nemotron-spec make-tiny: ", why)
         assert (", even with --force" in line) == (bool(extra) and where == "foreign")
     assert snapshot(tmp_path) == before
@@ -255,10 +285,20 @@ def test_make_tiny_failing_half_way_leaves_the_old_family(tmp_path, monkeypatch)
 
 
 def _report() -> dict:
-    run = {"label": "dflash", "mean_acceptance_length": 2.5, "per_position_acceptance": [0.8, 0.5],
-           "acceptance_histogram": [1, 2, 3]}
-    return {"runs": [run], "model": "/m/target", "platform": "cpu",
-            "prompts": {"num_prompts": 2}, "max_tokens": 8, "temperature": 0.0}
+    run = {
+        "label": "dflash",
+        "mean_acceptance_length": 2.5,
+        "per_position_acceptance": [0.8, 0.5],
+        "acceptance_histogram": [1, 2, 3],
+    }
+    return {
+        "runs": [run],
+        "model": "/m/target",
+        "platform": "cpu",
+        "prompts": {"num_prompts": 2},
+        "max_tokens": 8,
+        "temperature": 0.0,
+    }
 
 
 def test_bench_plot_replaces_a_png_atomically_and_nothing_else(tmp_path, monkeypatch):
@@ -313,8 +353,10 @@ ERROR_CASES = {
     "inspect-missing": (["inspect", "{tmp}/nope"], "is not a local directory or file"),
     "inspect-k": (["inspect", "{tmp}", "-k", "x"], "invalid int value"),
     "bench-num-prompts": (["bench", "--num-prompts", "0"], "--num-prompts must be >= 1"),
-    "bench-server-and-method": (["bench", "--server", "http://127.0.0.1:1", "--method", "plain"],
-                                "--server measures running servers"),
+    "bench-server-and-method": (
+        ["bench", "--server", "http://127.0.0.1:1", "--method", "plain"],
+        "--server measures running servers",
+    ),
     "bench-method": (["bench", "--model", "m", "--method", "nosuch"], "nosuch"),
     "bench-family-dir": (["bench", "--family-dir", "{foreign}"], "was not written by this command"),
     "bench-plot": (["bench", "--plot", "{foreign}"], "is a directory"),
@@ -323,10 +365,14 @@ ERROR_CASES = {
     "make-tiny-foreign": (["make-tiny", "{foreign}"], "was not written by this command"),
     "quantize-engine": (["quantize", "{tmp}/a", "{tmp}/b", "--engine", "x"], "invalid choice"),
     "quantize-missing-source": (["quantize", "{tmp}/nope", "{tmp}/b"], "no config.json"),
-    "quantize-shard-size": (["quantize", "{tmp}/nope", "{tmp}/b", "--max-shard-size", "lots"],
-                            "not a size: 'lots'"),
-    "quantize-foreign": (["quantize", "{tmp}/nope", "{foreign}", "--force"],
-                         "was not written by this command"),
+    "quantize-shard-size": (
+        ["quantize", "{tmp}/nope", "{tmp}/b", "--max-shard-size", "lots"],
+        "not a size: 'lots'",
+    ),
+    "quantize-foreign": (
+        ["quantize", "{tmp}/nope", "{foreign}", "--force"],
+        "was not written by this command",
+    ),
 }
 
 
@@ -347,5 +393,6 @@ def test_vllm_passthrough_without_vllm_is_one_line(monkeypatch, capsys):
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # ``import vllm`` raises ImportError
     assert main(["vllm", "serve", "m"]) == 2
-    assert capsys.readouterr().err == ("vllm-nemotron-spec vllm: vLLM is not installed: see the "
-                                       "README's Install section\n")
+    assert capsys.readouterr().err == (
+        "vllm-nemotron-spec vllm: vLLM is not installed: see the README's Install section\n"
+    )

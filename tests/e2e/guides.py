@@ -24,8 +24,11 @@ from typing import Callable
 MAX_TOKENS = 64
 """Enough for the longest output any guide allows (about 50 tokens of the tiny tokenizer)."""
 
-PROMPTS = ("The small cat", "One day, Ben found a blue box in the garden. The old horse",
-           "Anna has a red dog. Q: What color is the dog? A:")
+PROMPTS = (
+    "The small cat",
+    "One day, Ben found a blue box in the garden. The old horse",
+    "Anna has a red dog. Q: What color is the dog? A:",
+)
 
 SENTENCE = r"The [a-z]{1,8} [a-z]{1,8}( [a-z]{1,8}){0,3}\."
 
@@ -45,31 +48,39 @@ JSON_STRING = {"type": "string", "pattern": "^The [a-z]{1,8} [a-z]{1,8}( [a-z]{1
 JSON_MULTIPLE_OF = {"type": "integer", "minimum": 0, "maximum": 100, "multipleOf": 5}
 """xgrammar does not support ``multipleOf``: vLLM's ``auto`` hands this one to guidance."""
 
-CHOICES = ["The small cat sat on the red mat.", "The red dog ran happily.",
-           "The old horse was big."]
+CHOICES = [
+    "The small cat sat on the red mat.",
+    "The red dog ran happily.",
+    "The old horse was big.",
+]
 
 ADJECTIVES = ("small", "big", "red", "green", "old", "white")
 NOUNS = ("cat", "dog", "horse", "bird", "rabbit")
 VERBS = ("ran", "sat", "was big", "rests happily", "walks every morning")
 
-EBNF_GRAMMAR = "\n".join([
-    'root ::= "The " adj " " noun " " verb "."',
-    "adj ::= " + " | ".join(f'"{a}"' for a in ADJECTIVES),
-    "noun ::= " + " | ".join(f'"{n}"' for n in NOUNS),
-    "verb ::= " + " | ".join(f'"{v}"' for v in VERBS),
-])
+EBNF_GRAMMAR = "\n".join(
+    [
+        'root ::= "The " adj " " noun " " verb "."',
+        "adj ::= " + " | ".join(f'"{a}"' for a in ADJECTIVES),
+        "noun ::= " + " | ".join(f'"{n}"' for n in NOUNS),
+        "verb ::= " + " | ".join(f'"{v}"' for v in VERBS),
+    ]
+)
 """GBNF, xgrammar's grammar syntax."""
 
-LARK_GRAMMAR = "\n".join([
-    'start: "The " adj " " noun " " verb "."',
-    "adj: " + " | ".join(f'"{a}"' for a in ADJECTIVES),
-    "noun: " + " | ".join(f'"{n}"' for n in NOUNS),
-    "verb: " + " | ".join(f'"{v}"' for v in VERBS),
-])
+LARK_GRAMMAR = "\n".join(
+    [
+        'start: "The " adj " " noun " " verb "."',
+        "adj: " + " | ".join(f'"{a}"' for a in ADJECTIVES),
+        "noun: " + " | ".join(f'"{n}"' for n in NOUNS),
+        "verb: " + " | ".join(f'"{v}"' for v in VERBS),
+    ]
+)
 """The same grammar in Lark syntax (xgrammar compiles it too)."""
 
-_GRAMMAR_RE = re.compile("The ({}) ({}) ({})\\.".format(*("|".join(w) for w in
-                                                          (ADJECTIVES, NOUNS, VERBS))))
+_GRAMMAR_RE = re.compile(
+    "The ({}) ({}) ({})\\.".format(*("|".join(w) for w in (ADJECTIVES, NOUNS, VERBS)))
+)
 
 
 def _satisfies_schema(schema: dict) -> Callable[[str], bool]:
@@ -105,18 +116,21 @@ def guides(backend: str) -> list[Guide]:
     elif backend == "auto":
         json_guides = [
             Guide("json", {"json": JSON_STRING}, _satisfies_schema(JSON_STRING)),
-            Guide("json-multipleOf", {"json": JSON_MULTIPLE_OF},
-                  _satisfies_schema(JSON_MULTIPLE_OF)),
+            Guide(
+                "json-multipleOf", {"json": JSON_MULTIPLE_OF}, _satisfies_schema(JSON_MULTIPLE_OF)
+            ),
         ]
     else:
         raise ValueError(f"no guides for backend {backend!r}")
     return json_guides + [
         Guide("regex", {"regex": SENTENCE}, lambda t: re.fullmatch(SENTENCE, t) is not None),
         Guide("choice", {"choice": CHOICES}, lambda t: t in CHOICES),
-        Guide("grammar", {"grammar": EBNF_GRAMMAR},
-              lambda t: _GRAMMAR_RE.fullmatch(t) is not None),
-        Guide("grammar-lark", {"grammar": LARK_GRAMMAR},
-              lambda t: _GRAMMAR_RE.fullmatch(t) is not None),
+        Guide("grammar", {"grammar": EBNF_GRAMMAR}, lambda t: _GRAMMAR_RE.fullmatch(t) is not None),
+        Guide(
+            "grammar-lark",
+            {"grammar": LARK_GRAMMAR},
+            lambda t: _GRAMMAR_RE.fullmatch(t) is not None,
+        ),
     ]
 
 
@@ -129,8 +143,9 @@ def xgrammar_refuses(guide: Guide) -> bool:
     from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
 
     try:
-        validate_xgrammar_grammar(SamplingParams(
-            structured_outputs=StructuredOutputsParams(**guide.params)))
+        validate_xgrammar_grammar(
+            SamplingParams(structured_outputs=StructuredOutputsParams(**guide.params))
+        )
     except VLLMValidationError:
         return True
     return False

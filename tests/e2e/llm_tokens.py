@@ -11,7 +11,8 @@ if __name__ == "__main__":
     job = json.loads(sys.argv[1])
     runs.set_cpu_engine_defaults()
     llm = runs.make_llm(job["model"], job.get("speculative_config"), max_num_seqs=4)
-    result = runs.generate(llm, [{"prompt_token_ids": p} for p in job["prompts"]],
-                           job["max_tokens"], "run")
+    result = runs.generate(
+        llm, [{"prompt_token_ids": p} for p in job["prompts"]], job["max_tokens"], "run"
+    )
     print("TOKENS " + json.dumps({"token_ids": [list(t) for t in result.token_ids]}), flush=True)
     runs.release(llm)

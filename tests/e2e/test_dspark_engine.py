@@ -163,8 +163,9 @@ def sampled_twice(tiny_family, trained, prompts):
     """The same seeded batch twice on one engine, probabilistic drafts."""
     llm = _engine(tiny_family, trained.dspark, draft_sample_method="probabilistic")
     try:
-        return [runs.generate(llm, prompts, 24, "dspark", temperature=0.7, seed=11)
-                for _ in range(2)]
+        return [
+            runs.generate(llm, prompts, 24, "dspark", temperature=0.7, seed=11) for _ in range(2)
+        ]
     finally:
         runs.release(llm)
 

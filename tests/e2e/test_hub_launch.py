@@ -63,8 +63,11 @@ def hub(tiny_family, trained, tmp_path_factory):
 
     scratch = tmp_path_factory.mktemp("dspark-copy") / "dspark"
     shutil.copytree(trained.dspark, scratch)
-    repos = {TARGET: {"main": tiny_family.target}, DFLASH: {"main": trained.dflash},
-             DSPARK: {"main": trained.dspark, WRONG_FC: _wrong_fc_files(scratch)}}
+    repos = {
+        TARGET: {"main": tiny_family.target},
+        DFLASH: {"main": trained.dflash},
+        DSPARK: {"main": trained.dspark, WRONG_FC: _wrong_fc_files(scratch)},
+    }
     with LoopbackHub(repos) as server:
         yield server
 
@@ -75,31 +78,49 @@ def hf_home(tmp_path_factory):
 
 
 def hub_env(hub, hf_home, offline=False) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN")}
-    env.update(HF_ENDPOINT=hub.endpoint, HF_HOME=str(hf_home),
-               HF_HUB_OFFLINE="1" if offline else "0",
-               TRANSFORMERS_OFFLINE="1" if offline else "0", HF_HUB_DISABLE_XET="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                           env.get("PYTHONPATH", "")]))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_TOKEN")
+    }
+    env.update(
+        HF_ENDPOINT=hub.endpoint,
+        HF_HOME=str(hf_home),
+        HF_HUB_OFFLINE="1" if offline else "0",
+        TRANSFORMERS_OFFLINE="1" if offline else "0",
+        HF_HUB_DISABLE_XET="1",
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
+        ),
+    )
     return env
 
 
 def run_inspect(env, *args):
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_nemotron_spec.cli.main", "inspect", *args, "--json"],
-        env=env, capture_output=True, text=True, timeout=120, check=False)
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else None, proc.stderr
 
 
 def llm_tokens(env, model, spec, prompts):
-    job = {"model": model, "speculative_config": spec, "prompts": prompts,
-           "max_tokens": MAX_TOKENS}
-    proc = subprocess.run([sys.executable, str(LLM_TOKENS), json.dumps(job)], env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
+    job = {"model": model, "speculative_config": spec, "prompts": prompts, "max_tokens": MAX_TOKENS}
+    proc = subprocess.run(
+        [sys.executable, str(LLM_TOKENS), json.dumps(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("TOKENS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("TOKENS "):])["token_ids"], proc.stdout + proc.stderr
+    return json.loads(lines[-1][len("TOKENS ") :])["token_ids"], proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +155,17 @@ def test_wrong_fc_revision_is_refused_before_any_weight_is_downloaded(hub, hf_ho
     before = hub.served_bytes(DSPARK, ".safetensors")
     rc, report, _ = run_inspect(env, DSPARK, "--revision", WRONG_FC, "--target", TARGET)
     assert rc == 2 and any(p.startswith("draft weights: `fc.weight`") for p in report["problems"])
-    failed = serving.serve_once(TARGET, speculative_config={
-        "method": "dspark", "model": DSPARK, "revision": WRONG_FC,
-        "num_speculative_tokens": GAMMA}, args=serving.CPU_TINY_SERVE_ARGS, env=env)
+    failed = serving.serve_once(
+        TARGET,
+        speculative_config={
+            "method": "dspark",
+            "model": DSPARK,
+            "revision": WRONG_FC,
+            "num_speculative_tokens": GAMMA,
+        },
+        args=serving.CPU_TINY_SERVE_ARGS,
+        env=env,
+    )
     assert not failed.became_ready and failed.returncode != 0
     assert f"Nemotron 3.5 draft {DSPARK}" in failed.output and "`fc.weight`" in failed.output
     # Only header ranges of the draft were read (twice: inspect and the server); no target weight.
@@ -151,15 +180,25 @@ def test_headers_unreadable_at_start_up_are_checked_at_load_time(hub, hf_home):
     before = hub.served_bytes(DSPARK, ".safetensors")
     hub.refuse_ranges = True
     try:
-        failed = serving.serve_once(TARGET, speculative_config={
-            "method": "dspark", "model": DSPARK, "revision": WRONG_FC,
-            "num_speculative_tokens": GAMMA}, args=serving.CPU_TINY_SERVE_ARGS,
-            env=hub_env(hub, hf_home), timeout=300)
+        failed = serving.serve_once(
+            TARGET,
+            speculative_config={
+                "method": "dspark",
+                "model": DSPARK,
+                "revision": WRONG_FC,
+                "num_speculative_tokens": GAMMA,
+            },
+            args=serving.CPU_TINY_SERVE_ARGS,
+            env=hub_env(hub, hf_home),
+            timeout=300,
+        )
     finally:
         hub.refuse_ranges = False
     assert not failed.became_ready and failed.returncode != 0
-    assert "tensor headers deferred to load time (the Hub's safetensors metadata of " \
-        f"{DSPARK}@{WRONG_FC} could not be read" in failed.output, failed.output[-3000:]
+    assert (
+        "tensor headers deferred to load time (the Hub's safetensors metadata of "
+        f"{DSPARK}@{WRONG_FC} could not be read" in failed.output
+    ), failed.output[-3000:]
     assert f"Nemotron 3.5 draft {DSPARK}" in failed.output and "`fc.weight`" in failed.output
     size = len(hub.repos[DSPARK][WRONG_FC].files["model.safetensors"])
     assert hub.served_bytes(DSPARK, ".safetensors") - before == size  # downloaded, then refused
@@ -168,24 +207,41 @@ def test_headers_unreadable_at_start_up_are_checked_at_load_time(hub, hf_home):
 def test_serve_dspark_by_repo_id_from_an_empty_cache(hub, hf_home, prompts, plain, tmp_path):
     env = hub_env(hub, hf_home)
     log = tmp_path / "serve.log"
-    server = serving.start_server(TARGET, log, speculative_config={
-        "method": "dspark", "model": DSPARK, "num_speculative_tokens": GAMMA},
+    server = serving.start_server(
+        TARGET,
+        log,
+        speculative_config={"method": "dspark", "model": DSPARK, "num_speculative_tokens": GAMMA},
         args=[*serving.CPU_TINY_SERVE_ARGS, "--max-model-len", "512", "--max-num-seqs", "2"],
-        env=env, timeout=420)
+        env=env,
+        timeout=420,
+    )
     try:
         model = json.loads(serving.get(f"{server.url}/v1/models")[1])["data"][0]["id"]
-        got = [serving.complete(server.url, {"model": model, "prompt": p, "max_tokens": MAX_TOKENS,
-                                             "temperature": 0.0, "ignore_eos": True},
-                                stream=False).token_ids for p in prompts]
+        got = [
+            serving.complete(
+                server.url,
+                {
+                    "model": model,
+                    "prompt": p,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+                stream=False,
+            ).token_ids
+            for p in prompts
+        ]
     finally:
         server.stop()
     text = log.read_text()
-    assert (f"tensor headers checked at start-up from Hub safetensors metadata of {DSPARK}@main"
-            in text), text[-3000:]
+    assert (
+        f"tensor headers checked at start-up from Hub safetensors metadata of {DSPARK}@main" in text
+    ), text[-3000:]
     assert "model class DSparkNemotron35DraftModel" in text
     assert got == plain
     assert hub.served_bytes(DSPARK, "model.safetensors") >= len(
-        hub.repos[DSPARK]["main"].files["model.safetensors"])  # downloaded at load time
+        hub.repos[DSPARK]["main"].files["model.safetensors"]
+    )  # downloaded at load time
 
 
 def test_offline_llm_api_dflash_by_repo_id(hub, hf_home, prompts, plain):

@@ -72,6 +72,7 @@ def recorded_groups(record: list):
 
 def draft_group_count(groups: list[list[str]], num_target_layers: int) -> int:
     """How many groups hold draft layers (vLLM numbers draft layers after the target's)."""
+
     def is_draft(name: str) -> bool:
         parts = name.split(".")
         return "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_target_layers
@@ -136,7 +137,11 @@ def _compare(tiny_family, prompts, plain, method, draft, k, sizes):
     n_target = _num_target_layers(tiny_family)
     default, default_groups = _run(tiny_family, prompts, method, draft, k, recorded_groups)
     forced, forced_groups = _run(
-        tiny_family, prompts, method, draft, k,
+        tiny_family,
+        prompts,
+        method,
+        draft,
+        k,
         lambda record: kv_cache_group_size(sizes, record),
     )
     counts = sorted(

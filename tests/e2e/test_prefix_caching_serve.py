@@ -47,17 +47,33 @@ def _fp8_kv_supported() -> bool:
 
 KV_DTYPES = [
     pytest.param("auto", id="kv-auto"),
-    pytest.param("fp8", id="kv-fp8", marks=pytest.mark.skipif(
-        not _fp8_kv_supported(),
-        reason="vLLM's CPU attention needs AVX-512 or AMX for an fp8 KV cache "
-               "(NotImplementedError on this machine)")),
+    pytest.param(
+        "fp8",
+        id="kv-fp8",
+        marks=pytest.mark.skipif(
+            not _fp8_kv_supported(),
+            reason="vLLM's CPU attention needs AVX-512 or AMX for an fp8 KV cache "
+            "(NotImplementedError on this machine)",
+        ),
+    ),
 ]
 
 
 def serve_args(kv_dtype: str) -> list[str]:
-    return ["--dtype", "float32", "--enforce-eager", "--enable-prefix-caching",
-            "--mamba-cache-mode", "align", "--kv-cache-dtype", kv_dtype,
-            "--max-model-len", "1024", "--max-num-seqs", "4"]
+    return [
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--enable-prefix-caching",
+        "--mamba-cache-mode",
+        "align",
+        "--kv-cache-dtype",
+        kv_dtype,
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "4",
+    ]
 
 
 def conversation_tokens(tokenizer_dir) -> list[int]:
@@ -76,7 +92,9 @@ def conversation_tokens(tokenizer_dir) -> list[int]:
 
 def _hits(url: str) -> tuple[float, float]:
     m = serving.read_metrics(url)
-    return serving.metric(m, "vllm:prefix_cache_hits"), serving.metric(m, "vllm:prefix_cache_queries")
+    return serving.metric(m, "vllm:prefix_cache_hits"), serving.metric(
+        m, "vllm:prefix_cache_queries"
+    )
 
 
 def _accepted(url: str) -> float:
@@ -94,16 +112,31 @@ def run_conversation(server: serving.Server, stream: list[int]) -> dict:
     for t in range(TURNS):
         before = serving.read_until_settled(lambda: _hits(server.url), 10.0, 0.3)
         accepted = _accepted(server.url)
-        done = serving.complete(server.url, {"model": model, "prompt": prompt,
-                                             "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                                             "ignore_eos": True}, stream=False, timeout=300)
+        done = serving.complete(
+            server.url,
+            {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+            stream=False,
+            timeout=300,
+        )
         after = serving.read_until_settled(lambda: _hits(server.url), 10.0, 0.3)
-        turns.append({
-            "prompt_tokens": len(prompt), "status": done.status, "error": done.error,
-            "tokens": done.token_ids, "hits": after[0] - before[0],
-            "queries": after[1] - before[1], "accepted": _accepted(server.url) - accepted,
-        })
-        prompt = prompt + done.token_ids + user[t * USER_TOKENS:(t + 1) * USER_TOKENS]
+        turns.append(
+            {
+                "prompt_tokens": len(prompt),
+                "status": done.status,
+                "error": done.error,
+                "tokens": done.token_ids,
+                "hits": after[0] - before[0],
+                "queries": after[1] - before[1],
+                "accepted": _accepted(server.url) - accepted,
+            }
+        )
+        prompt = prompt + done.token_ids + user[t * USER_TOKENS : (t + 1) * USER_TOKENS]
     return {"turns": turns, "log": server.log()}
 
 
@@ -118,13 +151,19 @@ def served(request, tiny_family, tmp_path_factory) -> dict:
     servers = {}
     try:
         for method in METHODS:
-            spec = None if method == "plain" else {
-                "method": method, "model": str(getattr(drafts, method)),
-                "num_speculative_tokens": K}
+            spec = (
+                None
+                if method == "plain"
+                else {
+                    "method": method,
+                    "model": str(getattr(drafts, method)),
+                    "num_speculative_tokens": K,
+                }
+            )
             log = tmp_path_factory.mktemp(f"{method}-{kv_dtype}") / "serve.log"
-            servers[method] = serving.launch_server(tiny_family.target, log,
-                                                    speculative_config=spec,
-                                                    args=serve_args(kv_dtype))
+            servers[method] = serving.launch_server(
+                tiny_family.target, log, speculative_config=spec, args=serve_args(kv_dtype)
+            )
 
         def one(method):
             serving.wait_ready(servers[method], timeout=420)

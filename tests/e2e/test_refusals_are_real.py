@@ -38,17 +38,21 @@ def _wrong_fc_draft(draft, out):
     return out
 
 
-def test_a_refused_fc_shape_fails_loading_without_the_check_too(tiny_family, trained, tmp_path,
-                                                        monkeypatch):
+def test_a_refused_fc_shape_fails_loading_without_the_check_too(
+    tiny_family, trained, tmp_path, monkeypatch
+):
     draft = _wrong_fc_draft(trained.dspark, tmp_path / "wrong-fc")
     spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3}
     runs.set_cpu_engine_defaults()
-    with pytest.raises(Exception, match=r"Nemotron 3\.5 draft .*`fc.weight`: found U8 \[128, 376\]"):
+    with pytest.raises(
+        Exception, match=r"Nemotron 3\.5 draft .*`fc.weight`: found U8 \[128, 376\]"
+    ):
         runs.make_llm(str(tiny_family.target), spec)  # vLLM wraps it in its config error
     # Without the header check (it finds nothing), loading fails on it anyway, later: the
     # tensor cannot fill the module the config describes.
-    monkeypatch.setattr(headers, "check_tensors",
-                        lambda spec, tensors: headers.TensorCheck((), (), ()))
+    monkeypatch.setattr(
+        headers, "check_tensors", lambda spec, tensors: headers.TensorCheck((), (), ())
+    )
     with pytest.raises(Exception) as info:
         runs.make_llm(str(tiny_family.target), spec)
     assert "Nemotron 3.5 draft" not in str(info.value)
@@ -60,8 +64,9 @@ def test_unreadable_headers_at_load_time_let_vllm_go_on_and_say_so(trained, tmp_
     them, says so in one warning, and hands every tensor on unchanged."""
     shutil.copytree(trained.dspark, tmp_path / "d", ignore=shutil.ignore_patterns("*.safetensors"))
     spec = DraftSpec.from_pretrained(tmp_path / "d")
-    config = types.SimpleNamespace(model=str(tmp_path / "d"), revision=None,
-                                   hf_config=types.SimpleNamespace())
+    config = types.SimpleNamespace(
+        model=str(tmp_path / "d"), revision=None, hf_config=types.SimpleNamespace()
+    )
     items = [("a", 1), ("b", 2)]
     with caplog.at_level("WARNING"):
         assert list(target_hook.checked_weights(spec, config, iter(items))) == items
@@ -73,11 +78,13 @@ def test_unreadable_headers_at_load_time_let_vllm_go_on_and_say_so(trained, tmp_
 
 def test_load_time_check_refuses_before_the_first_tensor(trained, tmp_path):
     draft = _wrong_fc_draft(trained.dspark, tmp_path / "wrong-fc")
-    spec = DraftSpec.from_config(json.loads((draft / "config.json").read_text())
-                                 | {"quantization_config": json.loads(
-                                     (draft / "hf_quant_config.json").read_text())})
-    config = types.SimpleNamespace(model=str(draft), revision=None,
-                                   hf_config=types.SimpleNamespace())
+    spec = DraftSpec.from_config(
+        json.loads((draft / "config.json").read_text())
+        | {"quantization_config": json.loads((draft / "hf_quant_config.json").read_text())}
+    )
+    config = types.SimpleNamespace(
+        model=str(draft), revision=None, hf_config=types.SimpleNamespace()
+    )
     handed = []
 
     def weights():

@@ -62,10 +62,17 @@ it. Flip to True to run it in CI too."""
 
 METHODS = [
     pytest.param("dflash", id="dflash"),
-    pytest.param("dspark", id="dspark", marks=() if DSPARK_IN_CI or SIZE.name != "ci" else
-                 pytest.mark.skip(reason="DSpark runs in the full size "
-                                  "(VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) or with DSPARK_IN_CI = True; "
-                                  "it doubles the CI time")),
+    pytest.param(
+        "dspark",
+        id="dspark",
+        marks=()
+        if DSPARK_IN_CI or SIZE.name != "ci"
+        else pytest.mark.skip(
+            reason="DSpark runs in the full size "
+            "(VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) or with DSPARK_IN_CI = True; "
+            "it doubles the CI time"
+        ),
+    ),
 ]
 K = rel.NUM_SPECULATIVE_TOKENS
 
@@ -84,8 +91,9 @@ def startup_future(tiny_family, tmp_path_factory):
     cases = [c for c in rel.STARTUP_CASES if c.ci or SIZE.name != "ci"]
     draft = rel.method_draft("dflash", tiny_family)
     pool = ThreadPoolExecutor(max_workers=1)
-    future = pool.submit(rel.run_startup_cases, cases, tiny_family, draft,
-                         tmp_path_factory.mktemp("drafts"))
+    future = pool.submit(
+        rel.run_startup_cases, cases, tiny_family, draft, tmp_path_factory.mktemp("drafts")
+    )
     yield future
     pool.shutdown(wait=True)
 
@@ -108,7 +116,9 @@ def spec_server(request, tiny_family, plain_launched, tmp_path_factory):
     draft = rel.method_draft(method, tiny_family)
     log = tmp_path_factory.mktemp(f"{method}-server") / "serve.log"
     server = serve.launch_server(
-        tiny_family.target, log, speculative_config=rel.speculative_config(method, draft),
+        tiny_family.target,
+        log,
+        speculative_config=rel.speculative_config(method, draft),
         args=rel.stressed_args(SIZE, method),
     )
     try:
@@ -137,8 +147,9 @@ def reference(plain_server, workload):
 def load(spec_server, workload):
     """The workload, all at once from SIZE.concurrency clients; /metrics before and after."""
     before = rel.settled_snapshot(spec_server.url)
-    got, wall = rel.run_concurrent(spec_server.url, spec_server.extra["model"], workload,
-                                   SIZE.concurrency)
+    got, wall = rel.run_concurrent(
+        spec_server.url, spec_server.extra["model"], workload, SIZE.concurrency
+    )
     after = rel.settled_snapshot(spec_server.url)
     return {"got": got, "wall_s": wall, "before": before, "after": after}
 
@@ -149,12 +160,19 @@ def burst(load, spec_server, plain_server, tiny_family):
     cache and then all need a block at once."""
     requests = rel.preemption_requests(tiny_family.tokenizer, SIZE)
     before = rel.settled_snapshot(spec_server.url)
-    got, wall = rel.run_concurrent(spec_server.url, spec_server.extra["model"], requests,
-                                   SIZE.concurrency)
+    got, wall = rel.run_concurrent(
+        spec_server.url, spec_server.extra["model"], requests, SIZE.concurrency
+    )
     after = rel.settled_snapshot(spec_server.url)
     expected = rel.run_alone(plain_server.url, plain_server.extra["model"], requests[:1])
-    return {"requests": requests, "got": got, "expected": expected * len(requests),
-            "before": before, "after": after, "wall_s": wall}
+    return {
+        "requests": requests,
+        "got": got,
+        "expected": expected * len(requests),
+        "before": before,
+        "after": after,
+        "wall_s": wall,
+    }
 
 
 def _fail_on(problems: list[str], what: str) -> None:
@@ -203,8 +221,10 @@ def test_preempted_requests_resume_exactly(burst, spec_server):
         f"{spec_server.extra['kv_blocks']} KV blocks no longer stress the scheduler"
     )
     assert after.counters.num_drafts > before.counters.num_drafts
-    _fail_on(rel.mismatches(burst["requests"], burst["expected"], burst["got"]),
-             f"preemption burst ({preemptions:.0f} preemptions)")
+    _fail_on(
+        rel.mismatches(burst["requests"], burst["expected"], burst["got"]),
+        f"preemption burst ({preemptions:.0f} preemptions)",
+    )
 
 
 def test_spec_decode_counters_stay_consistent_under_preemption(burst):
@@ -219,8 +239,9 @@ def test_server_is_idle_and_empty_after_the_load(load, burst, spec_server):
     )
 
 
-def test_disconnected_clients_are_freed_and_serving_continues(load, burst, spec_server, workload,
-                                                              reference):
+def test_disconnected_clients_are_freed_and_serving_continues(
+    load, burst, spec_server, workload, reference
+):
     """Streaming clients that leave after two chunks: the server stops their requests (far fewer
     tokens generated than asked for), frees their KV cache and serves the next batch exactly."""
     model = spec_server.extra["model"]
@@ -292,14 +313,15 @@ def test_seeded_sampling_is_reproducible(load, spec_server, workload):
     assert preempted == 0, (
         f"{preempted:.0f} preemptions during the seeded runs: a preempted request is drafted and "
         "verified at other positions, so its seeded tokens may differ (rel.SAMPLING_MAX_TOTAL_TOKENS "
-        "keeps this phase free of preemption)")
+        "keeps this phase free of preemption)"
+    )
     differ = [r.index for r, a, b in zip(requests, first, second) if a.token_ids != b.token_ids]
     assert not differ, f"seeded requests {differ} differ between two identical runs"
 
 
-def test_seeded_sampling_is_sampled_and_reproducible_without_speculation(load, spec_server,
-                                                                        plain_server,
-                                                                        workload):
+def test_seeded_sampling_is_sampled_and_reproducible_without_speculation(
+    load, spec_server, plain_server, workload
+):
     """The control for the test above: the same seeded batch on the plain server, twice,
     identical; and on the speculative server it is really sampled (not the greedy tokens)."""
     requests = rel.sampling_requests(workload, SIZE)
@@ -377,16 +399,18 @@ def test_config_error_line_joins_every_problem_on_one_line():
     import pydantic
     from pydantic.dataclasses import dataclass
 
-    from vllm_nemotron_spec.cli.vllm import config_error_line
     from vllm_nemotron_spec.checkpoint.spec import DraftSpecError
+    from vllm_nemotron_spec.cli.vllm import config_error_line
 
     @dataclass
     class VllmConfig:
         x: int = 0
 
         def __post_init__(self):
-            raise DraftSpecError(["target config: aux id 15 is\nbeyond", "vocab_size: 2 != 3"],
-                                 source="Nemotron 3.5 draft /d")
+            raise DraftSpecError(
+                ["target config: aux id 15 is\nbeyond", "vocab_size: 2 != 3"],
+                source="Nemotron 3.5 draft /d",
+            )
 
     @dataclass
     class SpeculativeConfig:
@@ -394,8 +418,10 @@ def test_config_error_line_joins_every_problem_on_one_line():
 
         def __post_init__(self):
             names = ", ".join(f"'Arch{i}'" for i in range(40))
-            raise ValueError(f"Model architectures ['X'] are not supported for now. Supported "
-                             f"architectures: dict_keys([{names}])")
+            raise ValueError(
+                f"Model architectures ['X'] are not supported for now. Supported "
+                f"architectures: dict_keys([{names}])"
+            )
 
     with pytest.raises(pydantic.ValidationError) as draft_error:
         VllmConfig()
@@ -413,22 +439,26 @@ def test_config_error_line_joins_every_problem_on_one_line():
 
 
 def test_startup_error_finds_the_root_cause_in_a_log():
-    log = "\n".join([
-        "(EngineCore pid=1) ERROR ... Traceback (most recent call last):",
-        "ValueError: To serve at least one request with the model's max seq len (512), ...",
-        "Traceback (most recent call last):",
-        '  File "x.py", line 1, in <module>',
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
-        "proc(s): {}",
-    ])
+    log = "\n".join(
+        [
+            "(EngineCore pid=1) ERROR ... Traceback (most recent call last):",
+            "ValueError: To serve at least one request with the model's max seq len (512), ...",
+            "Traceback (most recent call last):",
+            '  File "x.py", line 1, in <module>',
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core "
+            "proc(s): {}",
+        ]
+    )
     assert serve.startup_error(log).startswith("ValueError: To serve at least one request")
-    pydantic_log = "\n".join([
-        "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
-        "  Value error, draft /d: 2 problems:",
-        "  - a: bad",
-        "  - b: worse [type=value_error, input_value=ArgsKwargs((), {}), input_type=ArgsKwargs]",
-        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
-    ])
+    pydantic_log = "\n".join(
+        [
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig",
+            "  Value error, draft /d: 2 problems:",
+            "  - a: bad",
+            "  - b: worse [type=value_error, input_value=ArgsKwargs((), {}), input_type=ArgsKwargs]",
+            "    For further information visit https://errors.pydantic.dev/2.14/v/value_error",
+        ]
+    )
     assert serve.startup_error(pydantic_log) == (
         "ValidationError: draft /d: 2 problems: a: bad; b: worse"
     )

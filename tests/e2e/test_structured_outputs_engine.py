@@ -23,9 +23,8 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
-import pytest
-
 import guides as g  # tests/e2e/guides.py
+import pytest
 
 from vllm_nemotron_spec import runs
 
@@ -66,16 +65,21 @@ def _params(guide: g.Guide | None):
 
     if guide is None:
         return SamplingParams(max_tokens=UNGUIDED_MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    return SamplingParams(max_tokens=g.MAX_TOKENS, temperature=0.0,
-                          structured_outputs=StructuredOutputsParams(**guide.params))
+    return SamplingParams(
+        max_tokens=g.MAX_TOKENS,
+        temperature=0.0,
+        structured_outputs=StructuredOutputsParams(**guide.params),
+    )
 
 
 def _generate(llm, prompts, params) -> tuple[list[Output], runs.SpecCounters]:
     before = runs.read_spec_counters(llm)
     outs = llm.generate(list(prompts), params, use_tqdm=False)
     counters = runs.read_spec_counters(llm).minus(before)
-    return [Output(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
-            for o in outs], counters
+    return [
+        Output(list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
+        for o in outs
+    ], counters
 
 
 @pytest.fixture(scope="module")
@@ -97,29 +101,44 @@ def results(tiny_family, trained):
         for method in ("plain", *METHODS):
             spec = None
             if method != "plain":
-                spec = {"method": method, "model": str(getattr(trained, method)),
-                        "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+                spec = {
+                    "method": method,
+                    "model": str(getattr(trained, method)),
+                    "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+                }
             start = time.perf_counter()
-            llm = runs.make_llm(str(tiny_family.target), spec, enable_prefix_caching=False,
-                                structured_outputs_config={"backend": backend,
-                                                           "disable_any_whitespace": True})
+            llm = runs.make_llm(
+                str(tiny_family.target),
+                spec,
+                enable_prefix_caching=False,
+                structured_outputs_config={"backend": backend, "disable_any_whitespace": True},
+            )
             try:
                 guided, counters = {}, {}
                 for guide in guides:
                     guided[guide.name], counters[guide.name] = _generate(
-                        llm, g.PROMPTS, _params(guide))
+                        llm, g.PROMPTS, _params(guide)
+                    )
                 unguided, counters["unguided"] = _generate(llm, g.PROMPTS, _params(None))
-                mixed, _ = _generate(llm, [g.PROMPTS[i] for _, i in order],
-                                     [_params(by_name.get(name)) for name, _ in order])
+                mixed, _ = _generate(
+                    llm,
+                    [g.PROMPTS[i] for _, i in order],
+                    [_params(by_name.get(name)) for name, _ in order],
+                )
                 out[(backend, method)] = EngineRun(guided, unguided, mixed, counters)
                 print(f"\n{backend} {method}: {time.perf_counter() - start:.0f} s")
             finally:
                 runs.release(llm)
     for (backend, method), run in out.items():
         if method != "plain":
-            print(f"\n{backend} {method}: acceptance " + ", ".join(
-                f"{name} {c.mean_acceptance_length:.2f}" for name, c in run.counters.items()
-                if c.mean_acceptance_length is not None))
+            print(
+                f"\n{backend} {method}: acceptance "
+                + ", ".join(
+                    f"{name} {c.mean_acceptance_length:.2f}"
+                    for name, c in run.counters.items()
+                    if c.mean_acceptance_length is not None
+                )
+            )
     return out
 
 
@@ -145,7 +164,8 @@ def test_speculative_guided_output_equals_plain_guided(results, backend, guide_n
         assert out.finish_reason == "stop", (prompt, out)
         assert guide.satisfied_by(out.text), f"{prompt!r}: {out.text!r} breaks {guide}"
         assert out.token_ids == want.token_ids, (
-            f"{method} under {guide} on {prompt!r}: {out.text!r} != plain {want.text!r}")
+            f"{method} under {guide} on {prompt!r}: {out.text!r} != plain {want.text!r}"
+        )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -160,7 +180,8 @@ def test_drafts_are_accepted_under_the_guides(results, backend, method):
     drafts = sum(c.num_drafts for c in guided)
     accepted = sum(c.num_accepted_tokens for c in guided)
     assert accepted > drafts / 10, (
-        f"{method} ({backend}): {accepted} draft tokens accepted in {drafts} guided steps")
+        f"{method} ({backend}): {accepted} draft tokens accepted in {drafts} guided steps"
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -176,7 +197,8 @@ def test_mixed_guided_and_unguided_batch_equals_each_request_alone(results, back
         want = plain.guided[name][i] if name else plain.unguided[i]
         assert out.token_ids == want.token_ids, (
             f"{method}: mixed-batch request ({name or 'unguided'}, prompt {i}) differs: "
-            f"{out.text!r} != {want.text!r}")
+            f"{out.text!r} != {want.text!r}"
+        )
     assert [o.token_ids for o in run.unguided] == [o.token_ids for o in plain.unguided]
 
 
@@ -187,11 +209,16 @@ def test_backend_that_cannot_roll_back_is_refused_per_request(tiny_family, train
     spec_decode_structured_output_backend.py."""
     from vllm.exceptions import VLLMValidationError
 
-    llm = runs.make_llm(str(tiny_family.target),
-                        {"method": "dflash", "model": str(trained.dflash),
-                         "num_speculative_tokens": NUM_SPECULATIVE_TOKENS},
-                        enable_prefix_caching=False,
-                        structured_outputs_config={"backend": "lm-format-enforcer"})
+    llm = runs.make_llm(
+        str(tiny_family.target),
+        {
+            "method": "dflash",
+            "model": str(trained.dflash),
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+        },
+        enable_prefix_caching=False,
+        structured_outputs_config={"backend": "lm-format-enforcer"},
+    )
     try:
         guide = {x.name: x for x in g.guides("xgrammar")}["regex"]
         with pytest.raises(VLLMValidationError, match=r"--structured-outputs-config\.backend"):
@@ -200,5 +227,6 @@ def test_backend_that_cannot_roll_back_is_refused_per_request(tiny_family, train
     finally:
         runs.release(llm)
     assert [o.token_ids for o in unguided] == [
-        o.token_ids for o in results[("xgrammar", "plain")].unguided]
+        o.token_ids for o in results[("xgrammar", "plain")].unguided
+    ]
     assert counters.num_drafts > 0

@@ -25,9 +25,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import pytest
-
 import guides as g  # tests/e2e/guides.py
+import pytest
 
 from vllm_nemotron_spec import serving
 
@@ -39,9 +38,18 @@ UNGUIDED_MAX_TOKENS = 32
 CHAT_MAX_TOKENS = 48
 TOOL_MAX_TOKENS = 96
 TIMEOUT_S = 180.0
-SERVER_ARGS = (*serving.CPU_TINY_SERVE_ARGS, "--max-model-len", "1024", "--max-num-seqs", "16",
-               "--reasoning-parser", "nemotron_v3", "--tool-call-parser", "qwen3_coder",
-               "--enable-auto-tool-choice")
+SERVER_ARGS = (
+    *serving.CPU_TINY_SERVE_ARGS,
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "16",
+    "--reasoning-parser",
+    "nemotron_v3",
+    "--tool-call-parser",
+    "qwen3_coder",
+    "--enable-auto-tool-choice",
+)
 GUIDES = g.guides("auto")
 
 WEATHER_TOOL = {
@@ -65,12 +73,17 @@ TIME_TOOL = {
     "function": {
         "name": "get_time",
         "description": "The time in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
     },
 }
-MESSAGES = [{"role": "system", "content": "You answer briefly."},
-            {"role": "user", "content": "The small cat sat in Paris. What is the weather?"}]
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "The small cat sat in Paris. What is the weather?"},
+]
 
 
 # ------------------------------------------------------------------------------------------
@@ -87,13 +100,17 @@ template puts the same empty block in the prompt when ``enable_thinking`` is fal
 @dataclass(frozen=True)
 class Completion:
     """A /v1/completions request: guided (``guide``) or not."""
+
     guide: str | None
     prompt: int  # index into g.PROMPTS
     stream: bool
 
     def body(self, model: str) -> dict:
-        body = {"model": model, "prompt": CLOSED_REASONING + g.PROMPTS[self.prompt],
-                "temperature": 0.0}
+        body = {
+            "model": model,
+            "prompt": CLOSED_REASONING + g.PROMPTS[self.prompt],
+            "temperature": 0.0,
+        }
         if self.guide is None:
             return dict(body, max_tokens=UNGUIDED_MAX_TOKENS, ignore_eos=True)
         guide = {x.name: x for x in GUIDES}[self.guide]
@@ -105,8 +122,12 @@ def completion_load() -> list[Completion]:
     out = []
     for i in range(len(g.PROMPTS)):
         for guide in GUIDES:
-            out += [Completion(guide.name, i, stream=False), Completion(None, i, stream=False),
-                    Completion(guide.name, i, stream=True), Completion(None, i, stream=True)]
+            out += [
+                Completion(guide.name, i, stream=False),
+                Completion(None, i, stream=False),
+                Completion(guide.name, i, stream=True),
+                Completion(None, i, stream=True),
+            ]
     return out
 
 
@@ -117,24 +138,39 @@ class Chat:
     max_tokens: int = CHAT_MAX_TOKENS
 
     def body(self, model: str, stream: bool) -> dict:
-        body = {"model": model, "messages": MESSAGES, "temperature": 0.0,
-                "max_tokens": self.max_tokens, "return_token_ids": True, "stream": stream}
+        body = {
+            "model": model,
+            "messages": MESSAGES,
+            "temperature": 0.0,
+            "max_tokens": self.max_tokens,
+            "return_token_ids": True,
+            "stream": stream,
+        }
         return dict(body, **dict(self.extra))
 
 
 NO_THINKING = ("chat_template_kwargs", {"enable_thinking": False})
-RESPONSE_FORMAT = ("response_format", {"type": "json_schema", "json_schema": {
-    "name": "answer", "schema": g.JSON_STRING}})
+RESPONSE_FORMAT = (
+    "response_format",
+    {"type": "json_schema", "json_schema": {"name": "answer", "schema": g.JSON_STRING}},
+)
 NAMED_TOOL = ("tool_choice", {"type": "function", "function": {"name": "get_weather"}})
 CHATS = [
     Chat("response_format json_schema", (RESPONSE_FORMAT, NO_THINKING)),
     Chat("response_format json_schema, thinking", (RESPONSE_FORMAT,)),
-    Chat("tool_choice named", (("tools", [WEATHER_TOOL, TIME_TOOL]), NAMED_TOOL, NO_THINKING),
-         TOOL_MAX_TOKENS),
-    Chat("tool_choice auto", (("tools", [WEATHER_TOOL, TIME_TOOL]), ("tool_choice", "auto"),
-                              NO_THINKING)),
-    Chat("tool_choice auto, thinking", (("tools", [WEATHER_TOOL, TIME_TOOL]),
-                                        ("tool_choice", "auto"))),
+    Chat(
+        "tool_choice named",
+        (("tools", [WEATHER_TOOL, TIME_TOOL]), NAMED_TOOL, NO_THINKING),
+        TOOL_MAX_TOKENS,
+    ),
+    Chat(
+        "tool_choice auto",
+        (("tools", [WEATHER_TOOL, TIME_TOOL]), ("tool_choice", "auto"), NO_THINKING),
+    ),
+    Chat(
+        "tool_choice auto, thinking",
+        (("tools", [WEATHER_TOOL, TIME_TOOL]), ("tool_choice", "auto")),
+    ),
     Chat("no tools, thinking", ()),
 ]
 
@@ -143,6 +179,7 @@ CHATS = [
 class Message:
     """What a client sees of one chat completion: parsed reasoning, content, tool calls (name,
     arguments; ids are random) and the token ids."""
+
     status: int
     reasoning: str | None
     content: str | None
@@ -162,10 +199,18 @@ def chat(url: str, body: dict) -> Message:
             return Message(status, None, None, [], None, [], error=str(data)[:500])
         choice = data["choices"][0]
         msg = choice["message"]
-        calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
-                 for c in msg.get("tool_calls") or []]
-        return Message(status, msg.get("reasoning"), msg.get("content"), calls,
-                       choice.get("finish_reason"), list(choice.get("token_ids") or []))
+        calls = [
+            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg.get("tool_calls") or []
+        ]
+        return Message(
+            status,
+            msg.get("reasoning"),
+            msg.get("content"),
+            calls,
+            choice.get("finish_reason"),
+            list(choice.get("token_ids") or []),
+        )
     reasoning, content, calls, ids, finish = [], [], {}, [], None
     with serving.http_request(f"{url}/v1/chat/completions", body, TIMEOUT_S) as resp:
         for chunk in serving.sse_chunks(resp):
@@ -186,8 +231,9 @@ def chat(url: str, body: dict) -> Message:
     return Message(200, "".join(reasoning), "".join(content), tool_calls, finish, ids)
 
 
-def run_completions(url: str, model: str, requests: list[Completion],
-                    concurrency: int) -> list[serving.Completion]:
+def run_completions(
+    url: str, model: str, requests: list[Completion], concurrency: int
+) -> list[serving.Completion]:
     def one(r: Completion) -> serving.Completion:
         try:
             return serving.complete(url, r.body(model), stream=r.stream, timeout=TIMEOUT_S)
@@ -217,15 +263,22 @@ def servers(tiny_family, tmp_path_factory):
 
     trained = ensure_trained_drafts(seed=0, family=tiny_family)
     logs = tmp_path_factory.mktemp("structured-output-servers")
-    launched = {"plain": serving.launch_server(tiny_family.target, logs / "plain.log",
-                                               args=SERVER_ARGS)}
+    launched = {
+        "plain": serving.launch_server(tiny_family.target, logs / "plain.log", args=SERVER_ARGS)
+    }
     try:
         for method in METHODS:
-            spec = {"method": method, "model": str(getattr(trained, method)),
-                    "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+            spec = {
+                "method": method,
+                "model": str(getattr(trained, method)),
+                "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+            }
             launched[method] = serving.launch_server(
-                tiny_family.target, logs / f"{method}.log", speculative_config=spec,
-                args=SERVER_ARGS)
+                tiny_family.target,
+                logs / f"{method}.log",
+                speculative_config=spec,
+                args=SERVER_ARGS,
+            )
         for server in launched.values():
             serving.wait_ready(server, timeout=420)
             status, text = serving.get(f"{server.url}/v1/models")
@@ -243,10 +296,16 @@ def reference(servers):
     plain = servers["plain"]
     model = plain.extra["model"]
     load = completion_load()
-    completions = {r: serving.complete(plain.url, r.body(model), stream=False, timeout=TIMEOUT_S)
-                   for r in load if not r.stream}
-    chats = {(c.name, stream): chat(plain.url, c.body(model, stream))
-             for c in CHATS for stream in (False, True)}
+    completions = {
+        r: serving.complete(plain.url, r.body(model), stream=False, timeout=TIMEOUT_S)
+        for r in load
+        if not r.stream
+    }
+    chats = {
+        (c.name, stream): chat(plain.url, c.body(model, stream))
+        for c in CHATS
+        for stream in (False, True)
+    }
     return {"completions": completions, "chats": chats}
 
 
@@ -260,8 +319,13 @@ def loaded(request, servers, reference):
     before = spec_counters(server.url)
     got = run_completions(server.url, model, load, concurrency=len(load))
     after = serving.read_until_settled(lambda: spec_counters(server.url), 10.0, 0.3)
-    return {"method": request.param, "server": server, "load": load, "got": got,
-            "counters": after.minus(before)}
+    return {
+        "method": request.param,
+        "server": server,
+        "load": load,
+        "got": got,
+        "counters": after.minus(before),
+    }
 
 
 # ------------------------------------------------------------------------------------------
@@ -302,8 +366,10 @@ def test_guided_and_unguided_completions_in_flight_together_equal_plain(loaded, 
 
 def test_drafts_are_accepted_under_the_served_load(loaded):
     c = loaded["counters"]
-    print(f"\n{loaded['method']} served mixed load: acceptance {c.mean_acceptance_length:.2f} "
-          f"({c.num_accepted_tokens} accepted in {c.num_drafts} steps)")
+    print(
+        f"\n{loaded['method']} served mixed load: acceptance {c.mean_acceptance_length:.2f} "
+        f"({c.num_accepted_tokens} accepted in {c.num_drafts} steps)"
+    )
     assert c.num_drafts > 0
     assert 0 < c.num_accepted_tokens <= c.num_draft_tokens <= NUM_SPECULATIVE_TOKENS * c.num_drafts
 

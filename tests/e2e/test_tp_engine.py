@@ -65,8 +65,8 @@ def prompts(tiny_family):
 
 def _probe_markov_head(worker, token_ids):
     """Runs in each TP worker (``LLM.collective_rpc``): the DSpark draft's Markov bias for
-    ``token_ids`` as the proposer computes it, what this rank holds of ``markov_w2``, and whether
-the plugin's Mamba state patches are installed in this process."""
+        ``token_ids`` as the proposer computes it, what this rank holds of ``markov_w2``, and whether
+    the plugin's Mamba state patches are installed in this process."""
     import importlib
 
     import torch
@@ -85,8 +85,9 @@ the plugin's Mamba state patches are installed in this process."""
     return {
         "rank": get_tensor_model_parallel_rank(),
         "proposer": type(runner.drafter).__name__,
-        "mamba_patches": [getattr(f, "_nemotron_spec_patch", False)
-                          for f in (conv_update, ssm_update)],
+        "mamba_patches": [
+            getattr(f, "_nemotron_spec_patch", False) for f in (conv_update, ssm_update)
+        ],
         "markov_w2_method": type(w2.quant_method).__name__,
         "markov_w2_rows": int(w2.weight.shape[0]),
         "scale": float(model.logits_processor.scale),
@@ -104,8 +105,11 @@ def results(tiny_family, trained, prompts):
         for method in METHODS:
             spec = None
             if method != "plain":
-                spec = {"method": method, "model": str(drafts[method]),
-                        "num_speculative_tokens": GAMMA}
+                spec = {
+                    "method": method,
+                    "model": str(drafts[method]),
+                    "num_speculative_tokens": GAMMA,
+                }
             with pytest.MonkeyPatch.context() as mp:
                 if tp > 1:  # the workers read it when they start
                     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", one_cpu_set_per_rank(tp))
@@ -133,7 +137,8 @@ def test_tp2_acceptance_equals_tp1(results, method):
     assert one.num_drafts > 0 and len(one.accepted_per_position) == GAMMA
     assert one.mean_acceptance_length >= 2.5  # the trained drafts work (e2e engine tests' bar)
     assert (two.num_drafts, two.accepted_per_position) == (
-        one.num_drafts, one.accepted_per_position
+        one.num_drafts,
+        one.accepted_per_position,
     ), (
         f"{method}: TP={TP} acceptance {two.mean_acceptance_length:.3f} "
         f"{two.accepted_per_position}/{two.num_drafts} vs TP=1 {one.mean_acceptance_length:.3f} "

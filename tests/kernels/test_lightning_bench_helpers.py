@@ -60,15 +60,21 @@ def test_draft_step_timer_per_step():
     before = [10.0, 20.0, 10.0, 5.0]
     after = [60.0, 70.0, 60.0, 30.0]  # 50 steps, 50 ms of drafting, 25 ms of Markov walk
     got = gl.DraftStepTimer.per_step(before, after, wall_s=0.5)
-    assert got == {"timed_steps": 50, "draft_ms_per_step": 1.0, "markov_ms_per_step": 0.5,
-                   "wall_ms_per_step": 10.0}
+    assert got == {
+        "timed_steps": 50,
+        "draft_ms_per_step": 1.0,
+        "markov_ms_per_step": 0.5,
+        "wall_ms_per_step": 10.0,
+    }
     none = gl.DraftStepTimer.per_step(after, after, wall_s=0.5)
     assert none["draft_ms_per_step"] is None and none["wall_ms_per_step"] is None
 
 
 def test_median_repeat_reports_the_middle_run_and_the_spread():
-    rows = [{"output_tok_s": v, "tpot_ms": t, "draft_ms_per_step": d}
-            for v, t, d in [(674.0, 1.3, 0.87), (497.0, 1.7, 0.87), (600.0, 1.5, 0.88)]]
+    rows = [
+        {"output_tok_s": v, "tpot_ms": t, "draft_ms_per_step": d}
+        for v, t, d in [(674.0, 1.3, 0.87), (497.0, 1.7, 0.87), (600.0, 1.5, 0.88)]
+    ]
     got = gl.median_repeat(rows)
     assert got["output_tok_s"] == 600.0 and got["tpot_ms"] == 1.5
     assert got["repeats"] == 3 and got["output_tok_s_all"] == [674.0, 497.0, 600.0]

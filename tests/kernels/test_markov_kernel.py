@@ -106,7 +106,9 @@ def assert_argmax_not_near_tie(logits_ref, bound):
     top2 = logits_ref.double().topk(2, dim=-1)
     idx = top2.indices[..., :1]
     gap = top2.values[..., 0] - top2.values[..., 1]
-    tol = 2 * (bound.gather(-1, idx).squeeze(-1) + bound.gather(-1, top2.indices[..., 1:]).squeeze(-1))
+    tol = 2 * (
+        bound.gather(-1, idx).squeeze(-1) + bound.gather(-1, top2.indices[..., 1:]).squeeze(-1)
+    )
     assert bool((gap > tol).all()), "random data hit a near-tie: choose another seed"
 
 
@@ -196,7 +198,9 @@ def test_step_matches_reference(batch, raw_bytes, variant):
     err = (logits_out.double() - ref_logits.double()).abs()
     assert bool((err <= 2 * bound).all()), f"max err {float(err.max()):.3e}"
     # greedy-only launch (no logits written) gives the same tokens
-    tok2, none = mk.markov_greedy_step(base, prev, prepared_w1(w1, cfg, permuted), packed, scale, gs, **kw)
+    tok2, none = mk.markov_greedy_step(
+        base, prev, prepared_w1(w1, cfg, permuted), packed, scale, gs, **kw
+    )
     assert none is None and torch.equal(tok2, tok)
 
 
@@ -206,8 +210,12 @@ def test_step_matches_reference(batch, raw_bytes, variant):
     [
         mk.MarkovKernelConfig(variant="bf16", block_v=64, block_k=16, tiles_per_program=1),
         mk.MarkovKernelConfig(variant="bf16", block_v=32, block_k=64, tiles_per_program=3),
-        mk.MarkovKernelConfig(variant="fp16", block_v=128, block_k=64, tiles_per_program=16, block_b=32),
-        mk.MarkovKernelConfig(variant="fp16x2", block_v=16, block_k=64, tiles_per_program=5, emb_scale=64.0),
+        mk.MarkovKernelConfig(
+            variant="fp16", block_v=128, block_k=64, tiles_per_program=16, block_b=32
+        ),
+        mk.MarkovKernelConfig(
+            variant="fp16x2", block_v=16, block_k=64, tiles_per_program=5, emb_scale=64.0
+        ),
         None,  # default_config
     ],
     ids=["bf16-v64x1", "bf16-v32x3", "fp16-v128x16-b32", "fp16x2-v16x5-scaled", "default"],
@@ -295,7 +303,9 @@ def test_walk_matches_reference(batch, gamma, variant):
     free, _ = mk.markov_walk_greedy_reference(base, anchor, w1, packed, scale, gs, w2_dense=dense)
     assert torch.equal(tokens.cpu(), free.cpu())
     # greedy-only walk (no logits), interleaved w1, default output
-    assert torch.equal(mk.markov_walk_greedy(base, anchor, w1, packed, scale, gs, config=cfg), tokens)
+    assert torch.equal(
+        mk.markov_walk_greedy(base, anchor, w1, packed, scale, gs, config=cfg), tokens
+    )
 
 
 @kernel_test
@@ -343,7 +353,9 @@ def test_batch1_default_walk_at_the_real_rank():
     )  # fmt: skip
     prevs = torch.cat([anchor.long()[:, None], tokens[:, :-1]], dim=1)
     for k in range(gamma):
-        assert_argmax_not_near_tie(ref_logits[:, k], error_bound(prevs[:, k], w1, dense, ref_logits[:, k]))
+        assert_argmax_not_near_tie(
+            ref_logits[:, k], error_bound(prevs[:, k], w1, dense, ref_logits[:, k])
+        )
     assert torch.equal(tokens.cpu(), ref_tokens.cpu())
 
 
@@ -390,7 +402,9 @@ def test_bad_inputs_are_rejected():
 
 
 def test_default_config_and_permutation():
-    assert mk.default_config(2, 512).variant == "fp16x2" and mk.default_config(2, 512).block_k == 256
+    assert (
+        mk.default_config(2, 512).variant == "fp16x2" and mk.default_config(2, 512).block_k == 256
+    )
     assert mk.default_config(1, 512).block_k == 64 and mk.default_config(1, 128).block_k == 64
     assert {mk.default_config(b, 512).reduction for b in (1, 2, 16, 32)} == {"atomic"}
     assert mk.default_config(32, 512).block_b == 32
@@ -407,10 +421,9 @@ def test_default_config_and_permutation():
 
 def _sm90_build(batch: int, rank: int, cfg, write_logits: bool, prev_from_parts: bool):
     """Compile the tiles kernel for sm_90 as a launch at these sizes would; returns the kernel."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    import triton
 
     cfg = cfg.resolve(batch, 131072, rank, torch.device("cpu"))
     fn = mk._markov_tiles_kernel
@@ -443,9 +456,8 @@ def _sm90_build(batch: int, rank: int, cfg, write_logits: bool, prev_from_parts:
 
 def _nvidia_backend():
     try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-
         import triton.backends.nvidia  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
     except Exception:
         return False
     return not INTERPRETED

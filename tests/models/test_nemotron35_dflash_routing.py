@@ -17,7 +17,9 @@ def _engine_config(target, method, draft, k=4):
 
     models.register()
     return EngineArgs(
-        model=str(target), max_model_len=256, enable_prefix_caching=False,
+        model=str(target),
+        max_model_len=256,
+        enable_prefix_caching=False,
         speculative_config={"method": method, "model": str(draft), "num_speculative_tokens": k},
     ).create_engine_config()
 
@@ -32,7 +34,9 @@ def _copy_draft(src, dst, edit):
 
 def test_nemotron35_dflash_draft_is_routed_to_our_class(tiny_family):
     config = _engine_config(tiny_family.target, "dflash", tiny_family.dflash_draft)
-    assert config.speculative_config.draft_model_config.architectures == ["DFlashNemotron35DraftModel"]
+    assert config.speculative_config.draft_model_config.architectures == [
+        "DFlashNemotron35DraftModel"
+    ]
 
 
 def test_generic_dflash_draft_keeps_vllms_class(tiny_family, tmp_path):

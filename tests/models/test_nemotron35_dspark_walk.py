@@ -12,7 +12,11 @@ import torch
 
 from vllm_nemotron_spec.models import nemotron35_dspark as dspark
 
-PACKED = {"weight": torch.zeros(1), "weight_scale": torch.zeros(1), "weight_scale_2": torch.zeros(1)}
+PACKED = {
+    "weight": torch.zeros(1),
+    "weight_scale": torch.zeros(1),
+    "weight_scale_2": torch.zeros(1),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +31,9 @@ def _declined(speculator, hidden, packed=PACKED):
 
 
 def _greedy_speculator(**overrides):
-    fields = dict(draft_logits=None, _draft_topk=None, use_confidence_head=False,
-                  acceptance_estimator=None)
+    fields = dict(
+        draft_logits=None, _draft_topk=None, use_confidence_head=False, acceptance_estimator=None
+    )
     fields.update(overrides)
     return SimpleNamespace(**fields)
 
@@ -45,12 +50,15 @@ def test_fused_walk_runs_for_greedy_drafts_on_cuda(monkeypatch):
     assert _declined(_greedy_speculator(), _CudaLike()) is None
 
 
-@pytest.mark.parametrize("override,reason", [
-    ({"draft_logits": torch.zeros(1)}, "probabilistic"),
-    ({"_draft_topk": 4}, "top-k"),
-    ({"use_confidence_head": True}, "confidence"),
-    ({"acceptance_estimator": object()}, "acceptance estimator"),
-])
+@pytest.mark.parametrize(
+    "override,reason",
+    [
+        ({"draft_logits": torch.zeros(1)}, "probabilistic"),
+        ({"_draft_topk": 4}, "top-k"),
+        ({"use_confidence_head": True}, "confidence"),
+        ({"acceptance_estimator": object()}, "acceptance estimator"),
+    ],
+)
 def test_cases_the_fused_walk_does_not_compute_go_to_vllms_loop(override, reason, monkeypatch):
     monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
     assert reason in _declined(_greedy_speculator(**override), _CudaLike())
@@ -59,8 +67,9 @@ def test_cases_the_fused_walk_does_not_compute_go_to_vllms_loop(override, reason
 def test_cpu_env_switch_and_missing_packed_weights_are_named(monkeypatch):
     monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
     assert "CUDA only" in _declined(_greedy_speculator(), torch.zeros(2))
-    assert "weight_scale_2" in _declined(_greedy_speculator(), _CudaLike(),
-                                         packed={"weight": 1, "weight_scale": 1})
+    assert "weight_scale_2" in _declined(
+        _greedy_speculator(), _CudaLike(), packed={"weight": 1, "weight_scale": 1}
+    )
     monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "0")
     assert dspark.FUSED_MARKOV_ENV in _declined(_greedy_speculator(), _CudaLike())
     monkeypatch.delenv(dspark.FUSED_MARKOV_ENV)  # the default: vLLM's loop
@@ -80,6 +89,8 @@ def test_the_choice_is_logged_once_per_reason(caplog, monkeypatch):
             dspark._log_walk_choice_once(None)
             dspark._log_walk_choice_once("top-k drafting")
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["nemotron-spec: DSpark Markov walk runs fused (kernels/markov.py, greedy)",
-                     "nemotron-spec: DSpark Markov walk runs vLLM's loop: top-k drafting"]
+    assert lines == [
+        "nemotron-spec: DSpark Markov walk runs fused (kernels/markov.py, greedy)",
+        "nemotron-spec: DSpark Markov walk runs vLLM's loop: top-k drafting",
+    ]
     assert dspark.logger.name.startswith("vllm."), "only vLLM's logger tree is printed by vLLM"

@@ -45,4 +45,3 @@ def vllm_ctx(vllm_dist):
 
     with set_current_vllm_config(VllmConfig()):
         yield
-

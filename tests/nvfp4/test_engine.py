@@ -153,7 +153,9 @@ def test_nvfp4_model_and_draft_run_on_vllm_cpu(checkpoints):
     llm = _llm(
         twin,
         speculative_config={
-            "method": "draft_model", "model": quantized, "num_speculative_tokens": 3
+            "method": "draft_model",
+            "model": quantized,
+            "num_speculative_tokens": 3,
         },
         disable_log_stats=False,
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from vllm_nemotron_spec.nvfp4 import config as nvcfg
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 

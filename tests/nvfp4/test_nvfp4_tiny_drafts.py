@@ -25,9 +25,14 @@ def _linear_modules(config: dict) -> list[str]:
     modules = []
     for name, shape in layout.logical_shapes(config).items():
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and len(shape) == 2 and module.split(".")[-1] not in (
-            "embed_tokens",
-            "markov_w1",  # an nn.Embedding in vLLM's DSpark head
+        if (
+            name.endswith(".weight")
+            and len(shape) == 2
+            and module.split(".")[-1]
+            not in (
+                "embed_tokens",
+                "markov_w1",  # an nn.Embedding in vLLM's DSpark head
+            )
         ):
             modules.append(module)
     return modules

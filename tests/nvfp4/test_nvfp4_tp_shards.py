@@ -96,7 +96,8 @@ def _dense(layer, method: str) -> torch.Tensor:
 
 def _check_rank(layer, method: str, expected: torch.Tensor) -> None:
     expected_method = {
-        "cpu": nvcfg.NvFp4DequantizedLinearMethod, "kernel": nvcfg.NvFp4KernelLinearMethod
+        "cpu": nvcfg.NvFp4DequantizedLinearMethod,
+        "kernel": nvcfg.NvFp4KernelLinearMethod,
     }[method]
     assert type(layer.quant_method) is expected_method
     dense = _dense(layer, method)
@@ -154,7 +155,8 @@ def test_merged_gate_up_ranks_keep_each_shards_global_scale(qc, set_tp, method, 
         _load(layer, gate, shard_id=0)
         _load(layer, up, shard_id=1)
         assert layer.weight_scale_2.data.tolist() == [
-            float(gate.weight_scale_2), float(up.weight_scale_2)
+            float(gate.weight_scale_2),
+            float(up.weight_scale_2),
         ]
         layer.quant_method.process_weights_after_loading(layer)
         rows = _rows(96, rank, tp)
@@ -186,11 +188,13 @@ def test_qkv_ranks_keep_each_shards_global_scale(qc, set_tp, method, tp):
         layer.quant_method.process_weights_after_loading(layer)
         kv_rank = rank * kv_heads // tp if tp > kv_heads else rank
         kv_rows = _rows(kv_heads * head, kv_rank, min(tp, kv_heads))
-        expected = torch.cat([
-            shards["q"].dequantize()[_rows(heads * head, rank, tp)],
-            shards["k"].dequantize()[kv_rows],
-            shards["v"].dequantize()[kv_rows],
-        ])
+        expected = torch.cat(
+            [
+                shards["q"].dequantize()[_rows(heads * head, rank, tp)],
+                shards["k"].dequantize()[kv_rows],
+                shards["v"].dequantize()[kv_rows],
+            ]
+        )
         _check_rank(layer, method, expected)
 
 
@@ -227,10 +231,13 @@ def test_row_parallel_split_inside_a_block_is_refused(qc, set_tp):
     from vllm.model_executor.layers.linear import RowParallelLinear
 
     set_tp(0, 4)  # 96 input columns over 4 ranks: 24 each, not a whole number of 16-blocks
-    with pytest.raises(ValueError, match=(
-        r"model\.layers\.0\.mlp\.down_proj: NVFP4 needs the input size per partition divisible "
-        r"by 16, got 24 \(input size 96\)"
-    )):
+    with pytest.raises(
+        ValueError,
+        match=(
+            r"model\.layers\.0\.mlp\.down_proj: NVFP4 needs the input size per partition divisible "
+            r"by 16, got 24 \(input size 96\)"
+        ),
+    ):
         RowParallelLinear(
             96, 64, bias=False, quant_config=qc, prefix="model.layers.0.mlp.down_proj",
             params_dtype=torch.float32,

@@ -27,12 +27,16 @@ def _upstream_impl():
     return getattr(current, "__wrapped__", current)
 
 
-@pytest.mark.parametrize("values, replace_from, replace_to", [
-    (torch.tensor([0.8, 0.0, 0.7]), 0, 1),                       # temperature (greedy -> 1)
-    (torch.tensor([0.95, 1.0, 0.5]), 0, 0),                      # top_p
-    (torch.tensor([5, 0, 7], dtype=torch.int32), 0, 0),          # top_k
-    (torch.tensor([5, 0, 7], dtype=torch.int64), 0, 0),
-], ids=["temperature", "top_p", "top_k_int32", "int64"])
+@pytest.mark.parametrize(
+    "values, replace_from, replace_to",
+    [
+        (torch.tensor([0.8, 0.0, 0.7]), 0, 1),  # temperature (greedy -> 1)
+        (torch.tensor([0.95, 1.0, 0.5]), 0, 0),  # top_p
+        (torch.tensor([5, 0, 7], dtype=torch.int32), 0, 0),  # top_k
+        (torch.tensor([5, 0, 7], dtype=torch.int64), 0, 0),
+    ],
+    ids=["temperature", "top_p", "top_k_int32", "int64"],
+)
 def test_expands_in_the_output_dtype(values, replace_from, replace_to):
     out = torch.full((6,), -7, dtype=values.dtype)
     patch.expand_kernel_any_dtype(out, values, CU, replace_from, replace_to, MAX_NUM_TOKENS=128)
@@ -57,8 +61,10 @@ def test_upstream_registers_the_patched_attribute_after_loading_plugins():
     from vllm.v1.worker import worker_base
 
     register = inspect.getsource(CpuPlatform.register_triton_kernel_overrides)
-    assert ('"vllm.v1.sample.rejection_sampler.expand_kernel": (\n'
-            "                    cpu_tl._expand_kernel_impl") in register, (
+    assert (
+        '"vllm.v1.sample.rejection_sampler.expand_kernel": (\n'
+        "                    cpu_tl._expand_kernel_impl"
+    ) in register, (
         "CpuPlatform.register_triton_kernel_overrides no longer maps expand_kernel to "
         "cpu_tl._expand_kernel_impl: re-check vllm_nemotron_spec/patches/cpu_expand_kernel.py"
     )
@@ -84,11 +90,22 @@ def test_applied_once_and_the_sampler_uses_the_request_temperature():
 
     temperature = torch.tensor([0.8, 0.0, 0.7])
     metadata = SamplingMetadata(
-        temperature=temperature, all_greedy=False, all_random=False, top_p=None, top_k=None,
-        generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
-        frequency_penalties=torch.zeros(3), presence_penalties=torch.zeros(3),
-        repetition_penalties=torch.ones(3), output_token_ids=[[], [], []],
-        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(),
+        temperature=temperature,
+        all_greedy=False,
+        all_random=False,
+        top_p=None,
+        top_k=None,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(3),
+        presence_penalties=torch.zeros(3),
+        repetition_penalties=torch.ones(3),
+        output_token_ids=[[], [], []],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
     )
     logits = torch.randn(6, 11, generator=torch.Generator().manual_seed(0))
     got = apply_sampling_constraints(logits.clone(), CU, metadata)

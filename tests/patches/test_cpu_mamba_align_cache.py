@@ -34,10 +34,18 @@ def _upstream_scan(inputs, lengths, chunk_size=64, **extra):
     cu_chunks, last_chunks, seq_idx = compute_varlen_chunk_metadata(qsl, chunk_size)
     i = inputs
     out = torch.empty_like(i["x"])
-    kwargs = dict(D=i["D"], dt_bias=i["dt_bias"], initial_states=i["initial_states"],
-                  seq_idx=seq_idx, cu_seqlens=qsl, cu_chunk_seqlens=cu_chunks,
-                  last_chunk_indices=last_chunks, dt_softplus=True, state_dtype=torch.float32,
-                  **extra)
+    kwargs = dict(
+        D=i["D"],
+        dt_bias=i["dt_bias"],
+        initial_states=i["initial_states"],
+        seq_idx=seq_idx,
+        cu_seqlens=qsl,
+        cu_chunk_seqlens=cu_chunks,
+        last_chunk_indices=last_chunks,
+        dt_softplus=True,
+        state_dtype=torch.float32,
+        **extra,
+    )
     return scan, (i["x"], i["dt"], i["A"], i["B"], i["C"], chunk_size, out), kwargs, last_chunks
 
 
@@ -58,8 +66,9 @@ def test_chunk_states_match_the_unsplit_cpu_scan():
     expected_out = args[6].clone()
 
     _, args2, kwargs2, _ = _upstream_scan(inputs, lengths)
-    chunk_states = patch.scan_with_chunk_states(scan, *args2, **kwargs2,
-                                                return_intermediate_states=True)
+    chunk_states = patch.scan_with_chunk_states(
+        scan, *args2, **kwargs2, return_intermediate_states=True
+    )
     assert chunk_states.shape[0] == len(kwargs["cu_chunk_seqlens"]) - 1
     _assert_close_to_fp32_rounding(args2[6], expected_out, max(lengths))
     _assert_close_to_fp32_rounding(chunk_states[last_chunks.long()], final, max(lengths))
@@ -91,11 +100,21 @@ def test_prefill_checkpoint_store_copies_the_inputs_and_chunk_state():
     conv_state = torch.zeros(5, dim, state_len + 2)
     chunk_states = torch.randn(4, 2, 3, 4)
     ssm_state = torch.zeros(5, 2, 3, 4)
-    checkpoint = SimpleNamespace(checkpoint_offsets=torch.tensor([8, 0], dtype=torch.int32),
-                                 state_indices=torch.tensor([3, 1]))
+    checkpoint = SimpleNamespace(
+        checkpoint_offsets=torch.tensor([8, 0], dtype=torch.int32),
+        state_indices=torch.tensor([3, 1]),
+    )
     qsl = torch.tensor([0, 12, 20], dtype=torch.int32)
-    patch.store_prefill_checkpoint_torch(checkpoint, torch.tensor([1, 3]), x, conv_state,
-                                         chunk_states, ssm_state, qsl, state_len=state_len)
+    patch.store_prefill_checkpoint_torch(
+        checkpoint,
+        torch.tensor([1, 3]),
+        x,
+        conv_state,
+        chunk_states,
+        ssm_state,
+        qsl,
+        state_len=state_len,
+    )
     assert torch.equal(conv_state[3, :, :state_len], x[:, 5:8])
     assert torch.equal(ssm_state[3], chunk_states[1])
     untouched = [b for b in range(5) if b != 3]
@@ -127,11 +146,18 @@ def _layout(states, tables, dim_first):
             meta["rows"].append(0)
             meta["row_stride"].append(0)
     i64, i32 = torch.int64, torch.int32
-    return (torch.tensor([t.data_ptr() for t in tables], dtype=i64), tables[0].stride(0),
-            torch.tensor(meta["base"], dtype=i64), torch.tensor(meta["stride"], dtype=i64),
-            torch.tensor(meta["elem"], dtype=i32), torch.tensor(meta["inner"], dtype=i64),
-            torch.tensor(meta["width"], dtype=i32), torch.zeros(len(states), dtype=i32),
-            torch.tensor(meta["rows"], dtype=i32), torch.tensor(meta["row_stride"], dtype=i64))
+    return (
+        torch.tensor([t.data_ptr() for t in tables], dtype=i64),
+        tables[0].stride(0),
+        torch.tensor(meta["base"], dtype=i64),
+        torch.tensor(meta["stride"], dtype=i64),
+        torch.tensor(meta["elem"], dtype=i32),
+        torch.tensor(meta["inner"], dtype=i64),
+        torch.tensor(meta["width"], dtype=i32),
+        torch.zeros(len(states), dtype=i32),
+        torch.tensor(meta["rows"], dtype=i32),
+        torch.tensor(meta["row_stride"], dtype=i64),
+    )
 
 
 def _states(dim_first, blocks=8, dim=5, width=6):
@@ -161,14 +187,23 @@ def test_postprocess_saves_the_aligned_state_and_resets_the_accepted_count(dim_f
     accepted = torch.tensor([3, 2], dtype=torch.int32)
     out = accepted.clone()
     patch.postprocess_mamba_cpu(
-        accepted, torch.tensor([1, 1], dtype=torch.int32), torch.tensor([4, 4], dtype=torch.int32),
-        torch.tensor([6, 9], dtype=torch.int32), torch.tensor([3, 3], dtype=torch.int32),
-        *layout, out, None, 2, block_size=4, CONV_STATE_DIM_FIRST=dim_first,
+        accepted,
+        torch.tensor([1, 1], dtype=torch.int32),
+        torch.tensor([4, 4], dtype=torch.int32),
+        torch.tensor([6, 9], dtype=torch.int32),
+        torch.tensor([3, 3], dtype=torch.int32),
+        *layout,
+        out,
+        None,
+        2,
+        block_size=4,
+        CONV_STATE_DIM_FIRST=dim_first,
     )
     assert out.tolist() == [1, 2]
     width = conv.shape[2] if dim_first else conv.shape[1]
-    assert torch.equal(_conv_tokens(conv, 2, dim_first)[: width - 1],
-                       _conv_tokens(before_conv, 2, dim_first)[1:])
+    assert torch.equal(
+        _conv_tokens(conv, 2, dim_first)[: width - 1], _conv_tokens(before_conv, 2, dim_first)[1:]
+    )
     assert torch.equal(ssm[2], before_ssm[3])
     changed = [b for b in range(8) if not torch.equal(conv[b], before_conv[b])]
     assert changed == [2]
@@ -184,13 +219,19 @@ def test_precopy_moves_the_running_state_to_the_new_block(dim_first):
     # Request 0 crosses from column 1 to 2 with 2 accepted last step; request 1 is fresh (-1);
     # request 2 stays in its column.
     patch.precopy_mamba_align_cpu(
-        torch.tensor([2, 0, 1], dtype=torch.int32), torch.tensor([1, -1, 1], dtype=torch.int32),
-        torch.tensor([1, 0, 0], dtype=torch.int32), *layout, None, 3,
-        CONV_STATE_DIM_FIRST=dim_first, HAS_IDX_MAPPING=False,
+        torch.tensor([2, 0, 1], dtype=torch.int32),
+        torch.tensor([1, -1, 1], dtype=torch.int32),
+        torch.tensor([1, 0, 0], dtype=torch.int32),
+        *layout,
+        None,
+        3,
+        CONV_STATE_DIM_FIRST=dim_first,
+        HAS_IDX_MAPPING=False,
     )
     width = conv.shape[2] if dim_first else conv.shape[1]
-    assert torch.equal(_conv_tokens(conv, 3, dim_first)[: width - 1],
-                       _conv_tokens(before_conv, 2, dim_first)[1:])
+    assert torch.equal(
+        _conv_tokens(conv, 3, dim_first)[: width - 1], _conv_tokens(before_conv, 2, dim_first)[1:]
+    )
     assert torch.equal(ssm[3], before_ssm[3])  # column 1 + bias 1 is block 3 itself
     assert [b for b in range(8) if not torch.equal(conv[b], before_conv[b])] == [3]
 
@@ -203,17 +244,25 @@ def test_applied_once_and_upstream_kernels_have_no_cpu_path():
     from vllm.v1.worker import mamba_utils
 
     patch.install()
-    installed = (ssd_combined._mamba_chunk_scan_combined_fwd, mamba_mixer2.store_prefill_checkpoint,
-                 mamba_utils.precopy_mamba_align_fused_kernel,
-                 mamba_utils.postprocess_mamba_fused_kernel)
+    installed = (
+        ssd_combined._mamba_chunk_scan_combined_fwd,
+        mamba_mixer2.store_prefill_checkpoint,
+        mamba_utils.precopy_mamba_align_fused_kernel,
+        mamba_utils.postprocess_mamba_fused_kernel,
+    )
     patch.install()
-    assert installed == (ssd_combined._mamba_chunk_scan_combined_fwd,
-                         mamba_mixer2.store_prefill_checkpoint,
-                         mamba_utils.precopy_mamba_align_fused_kernel,
-                         mamba_utils.postprocess_mamba_fused_kernel)
+    assert installed == (
+        ssd_combined._mamba_chunk_scan_combined_fwd,
+        mamba_mixer2.store_prefill_checkpoint,
+        mamba_utils.precopy_mamba_align_fused_kernel,
+        mamba_utils.postprocess_mamba_fused_kernel,
+    )
     assert all(obj._nemotron_spec_patch for obj in installed)
     assert installed[1].__wrapped__ is ssd_checkpoint.store_prefill_checkpoint
-    for kernel in (installed[2].__wrapped__, installed[3].__wrapped__,
-                   ssd_checkpoint._store_prefill_checkpoint_kernel):
+    for kernel in (
+        installed[2].__wrapped__,
+        installed[3].__wrapped__,
+        ssd_checkpoint._store_prefill_checkpoint_kernel,
+    ):
         with pytest.raises(TypeError):
             kernel[(1,)]

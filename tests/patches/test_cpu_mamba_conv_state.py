@@ -44,7 +44,9 @@ def test_state_rolls_by_accepted_tokens(accepted):
     )
     for b in range(2):
         committed = torch.cat([histories[b], x1[b * n : b * n + accepted[b]].t()], dim=-1)
-        expected = _reference_conv(committed[:, -(width - 1) :], x2[b * n : (b + 1) * n].t(), weight, bias)
+        expected = _reference_conv(
+            committed[:, -(width - 1) :], x2[b * n : (b + 1) * n].t(), weight, bias
+        )
         torch.testing.assert_close(y2[b * n : (b + 1) * n].t(), expected, rtol=0, atol=0)
 
 
@@ -55,8 +57,16 @@ def test_null_block_is_skipped():
     x = torch.randn(n, dim)
     out = torch.full_like(x, 7.0)
     patch.conv1d_update_with_accepted_tokens(
-        x, conv_state, torch.randn(dim, width), None, None, torch.tensor([0]), torch.tensor([1]),
-        query_start_loc=torch.tensor([0, n]), null_block_id=0, out=out,
+        x,
+        conv_state,
+        torch.randn(dim, width),
+        None,
+        None,
+        torch.tensor([0]),
+        torch.tensor([1]),
+        query_start_loc=torch.tensor([0, n]),
+        null_block_id=0,
+        out=out,
     )
     assert torch.equal(conv_state, before)
     assert torch.all(out == 7.0)

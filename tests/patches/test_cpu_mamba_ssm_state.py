@@ -27,14 +27,36 @@ def test_next_step_resumes_from_the_accepted_token():
 
     def block(seed):
         g = torch.Generator().manual_seed(seed)
-        return [torch.randn(n, *shape, generator=g) for shape in
-                [(nheads, dim), (nheads, dim), (ngroups, dstate), (ngroups, dstate), (nheads, dim)]]
+        return [
+            torch.randn(n, *shape, generator=g)
+            for shape in [
+                (nheads, dim),
+                (nheads, dim),
+                (ngroups, dstate),
+                (ngroups, dstate),
+                (nheads, dim),
+            ]
+        ]
 
     x, dt, B, C, z = block(1)
     out = torch.empty(n, nheads, dim)
     patch.ssm_update_with_accepted_tokens(
-        state, x, dt, A, B, C, D, dt_bias, z, True, indices, indices, -1, out,
-        torch.tensor([1]), torch.tensor([0, n]),
+        state,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        dt_bias,
+        z,
+        True,
+        indices,
+        indices,
+        -1,
+        out,
+        torch.tensor([1]),
+        torch.tensor([0, n]),
     )
     s, expected = initial, []
     states = []
@@ -50,8 +72,22 @@ def test_next_step_resumes_from_the_accepted_token():
     x2, dt2, B2, C2, z2 = block(2)
     out2 = torch.empty(n, nheads, dim)
     patch.ssm_update_with_accepted_tokens(
-        state, x2, dt2, A, B2, C2, D, dt_bias, z2, True, indices, indices, -1, out2,
-        torch.tensor([3]), torch.tensor([0, n]),
+        state,
+        x2,
+        dt2,
+        A,
+        B2,
+        C2,
+        D,
+        dt_bias,
+        z2,
+        True,
+        indices,
+        indices,
+        -1,
+        out2,
+        torch.tensor([3]),
+        torch.tensor([0, n]),
     )
     s = states[2]
     for t in range(n):

@@ -17,8 +17,10 @@ def _upstream_like_sample_tokens(self, grammar_output):
     """What vLLM's ``sample_tokens`` does with the generators: every row samples (a seeded row
     with its generator), then ``_bookkeeping_sync`` rewinds the discarded rows' generators."""
     generators = self.input_batch.generators
-    sampled = {i: torch.rand(1, generator=generators[i]) if i in generators else torch.rand(1)
-               for i in range(self.input_batch.num_reqs)}
+    sampled = {
+        i: torch.rand(1, generator=generators[i]) if i in generators else torch.rand(1)
+        for i in range(self.input_batch.num_reqs)
+    }
     for i in np.nonzero(self.discard_request_mask.np[: self.input_batch.num_reqs])[0]:
         gen = self.input_batch.generators.get(int(i))
         if gen is not None:
@@ -80,16 +82,24 @@ def test_upstream_rewinds_in_bookkeeping_called_from_sample_tokens():
 
     bookkeeping = inspect.getsource(GPUModelRunner._bookkeeping_sync)
     sample_tokens = inspect.getsource(GPUModelRunner.sample_tokens)
-    message = ("vLLM's generator rewind for discarded rows changed: re-check (or remove) "
-               "vllm_nemotron_spec/patches/cpu_seeded_partial_prefill.py")
+    message = (
+        "vLLM's generator rewind for discarded rows changed: re-check (or remove) "
+        "vllm_nemotron_spec/patches/cpu_seeded_partial_prefill.py"
+    )
     assert REWIND in bookkeeping, message
     assert "self.discard_request_mask.np[:num_reqs]" in bookkeeping, message
     assert "self.input_batch.generators.get(int(i))" in bookkeeping, message
     assert sample_tokens.index("self._sample(") < sample_tokens.index("self._bookkeeping_sync("), (
         message
     )
-    assert sum(REWIND in inspect.getsource(f) for f in vars(GPUModelRunner).values()
-               if inspect.isfunction(f)) == 1, message
+    assert (
+        sum(
+            REWIND in inspect.getsource(f)
+            for f in vars(GPUModelRunner).values()
+            if inspect.isfunction(f)
+        )
+        == 1
+    ), message
 
 
 def test_applied_once_on_the_cpu_runner():

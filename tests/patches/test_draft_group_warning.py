@@ -12,7 +12,9 @@ from vllm_nemotron_spec.patches import draft_group_warning as patch
 
 def _config(method, archs):
     hf = types.SimpleNamespace(architectures=archs)
-    spec = types.SimpleNamespace(method=method, draft_model_config=types.SimpleNamespace(hf_config=hf))
+    spec = types.SimpleNamespace(
+        method=method, draft_model_config=types.SimpleNamespace(hf_config=hf)
+    )
     return types.SimpleNamespace(speculative_config=spec)
 
 
@@ -38,8 +40,9 @@ def test_upstream_warning_still_fires_for_other_drafts_and_not_for_ours(monkeypa
     assert "no KV cache group" in inspect.getsource(warn.__wrapped__)
 
     records = []
-    monkeypatch.setattr(kv_cache_utils.logger, "warning",
-                        lambda msg, *args: records.append(msg % args))
+    monkeypatch.setattr(
+        kv_cache_utils.logger, "warning", lambda msg, *args: records.append(msg % args)
+    )
     mamba = MambaSpec.__new__(MambaSpec)
     group = types.SimpleNamespace(is_eagle_group=False, kv_cache_spec=mamba)
     monkeypatch.setattr(kv_cache_utils, "iter_layer_specs", lambda spec: [spec])

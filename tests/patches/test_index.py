@@ -46,18 +46,24 @@ def test_installed_after_registration_on_this_vllm():
         if not patch.on_register:  # installed by the command that needs it; tested on its own
             continue
         if patch.name == "v2_dspark_anchor_ids":
-            assert patches.state(patch.name).startswith("not installed: checked against vLLM 0.33.0")
+            assert patches.state(patch.name).startswith(
+                "not installed: checked against vLLM 0.33.0"
+            )
             continue
         patches.require("the test", patch.name)  # imports a pending patch's modules
         assert patches.state(patch.name) == patches.INSTALLED, patch.name
 
 
 def test_require_refuses_in_one_line_naming_patch_and_version(monkeypatch):
-    monkeypatch.setitem(patches._state, "mamba_spec_decode_padding",
-                        "not installed: checked against vLLM 0.32.0, 0.33.0, this is vLLM 0.33.1")
+    monkeypatch.setitem(
+        patches._state,
+        "mamba_spec_decode_padding",
+        "not installed: checked against vLLM 0.32.0, 0.33.0, this is vLLM 0.33.1",
+    )
     with pytest.raises(patches.PatchUnavailable) as e:
-        patches.require("speculative decoding on a hybrid (Mamba) target",
-                        "mamba_spec_decode_padding")
+        patches.require(
+            "speculative decoding on a hybrid (Mamba) target", "mamba_spec_decode_padding"
+        )
     message = str(e.value)
     assert "\n" not in message
     assert "mamba_spec_decode_padding" in message and "0.33.1" in message

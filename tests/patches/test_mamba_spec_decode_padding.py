@@ -31,9 +31,14 @@ def test_tripwire_upstream_padding_condition():
     assert "Pad new decode requests to uniform spec decoding size" in source
     assert len(patch.find_padding_ifs(ast.parse(textwrap.dedent(source)))) == 1
     body = ast.parse(textwrap.dedent(source)).body[0]
-    padded = [n for n in ast.walk(body) if isinstance(n, ast.Assign)
-              and any(isinstance(t, ast.Name) and t.id == "pad_spec_decode" for t in n.targets)
-              and isinstance(n.value, ast.Constant) and n.value.value is True]
+    padded = [
+        n
+        for n in ast.walk(body)
+        if isinstance(n, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "pad_spec_decode" for t in n.targets)
+        and isinstance(n.value, ast.Constant)
+        and n.value.value is True
+    ]
     assert len(padded) == 1, "pad_spec_decode is set somewhere else too: review the patch"
 
 
@@ -60,8 +65,13 @@ def test_rewrite_changes_only_the_padding_condition():
     assert set(patched.__code__.co_names) - set(original.__code__.co_names) == {"has_mamba_layers"}
     # Dropping the appended clause gives back upstream's function, node for node.
     tree = patch.rewritten_source_tree(original)
-    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.If) and isinstance(n.test, ast.BoolOp)
-               and ast.unparse(n.test.values[-1]) == patch.NO_PAD_WITHOUT_PRIOR_STATE]
+    (node,) = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If)
+        and isinstance(n.test, ast.BoolOp)
+        and ast.unparse(n.test.values[-1]) == patch.NO_PAD_WITHOUT_PRIOR_STATE
+    ]
     node.test = node.test.values[0]
     upstream = ast.parse(textwrap.dedent(inspect.getsource(original)))
     assert ast.dump(tree.body[0]) == ast.dump(upstream.body[0])
@@ -109,10 +119,18 @@ def vllm_config(tiny_family):
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
-        model=str(tiny_family.target), dtype="float32", enforce_eager=True, max_model_len=512,
-        max_num_seqs=16, enable_prefix_caching=False,
-        speculative_config={"method": "ngram", "num_speculative_tokens": NUM_SPEC,
-                            "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+        model=str(tiny_family.target),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        max_num_seqs=16,
+        enable_prefix_caching=False,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": NUM_SPEC,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2,
+        },
     )
     config = args.create_engine_config()
     config.cache_config.num_gpu_blocks = 256
@@ -135,12 +153,17 @@ def _scheduler(vllm_config, hybrid: bool):
     attn = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
     groups = [KVCacheGroupSpec(["attn.0"], attn)]
     if hybrid:
-        mamba = MambaSpec(block_size=BLOCK, shapes=((2, 8),), dtypes=(torch.float32,),
-                          page_size_padded=attn.page_size_bytes)
+        mamba = MambaSpec(
+            block_size=BLOCK,
+            shapes=((2, 8),),
+            dtypes=(torch.float32,),
+            page_size_padded=attn.page_size_bytes,
+        )
         groups.append(KVCacheGroupSpec(["mamba.0"], mamba))
     kv_cache_config = KVCacheConfig(num_blocks=256, kv_cache_tensors=[], kv_cache_groups=groups)
-    scheduler = Scheduler(vllm_config, kv_cache_config, StructuredOutputManager(vllm_config),
-                          block_size=BLOCK)
+    scheduler = Scheduler(
+        vllm_config, kv_cache_config, StructuredOutputManager(vllm_config), block_size=BLOCK
+    )
     assert scheduler.has_mamba_layers is hybrid and scheduler.num_spec_tokens == NUM_SPEC
     return scheduler
 
@@ -150,8 +173,9 @@ def _request(request_id: str, prompt: list[int]):
     from vllm.v1.request import Request
 
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    return Request(request_id=request_id, prompt_token_ids=prompt, sampling_params=params,
-                   pooling_params=None)
+    return Request(
+        request_id=request_id, prompt_token_ids=prompt, sampling_params=params, pooling_params=None
+    )
 
 
 def _admit_one_token_prompt_while_decoding(scheduler, schedule, late=None):
@@ -204,6 +228,7 @@ def test_hybrid_request_with_prior_state_is_still_padded(vllm_config):
 
     late = _request("late", [1, 400, 401])
     late.num_computed_tokens = 2
-    got = _admit_one_token_prompt_while_decoding(_scheduler(vllm_config, True), Scheduler.schedule,
-                                                 late)
+    got = _admit_one_token_prompt_while_decoding(
+        _scheduler(vllm_config, True), Scheduler.schedule, late
+    )
     assert got == (1 + NUM_SPEC, [-1] * NUM_SPEC)

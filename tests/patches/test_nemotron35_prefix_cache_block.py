@@ -15,8 +15,13 @@ def _engine_config(target, spec):
     from vllm_nemotron_spec import target_hook
 
     target_hook.register()
-    return EngineArgs(model=str(target), skip_tokenizer_init=True, max_model_len=256,
-                      enable_prefix_caching=True, speculative_config=spec).create_engine_config()
+    return EngineArgs(
+        model=str(target),
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        enable_prefix_caching=True,
+        speculative_config=spec,
+    ).create_engine_config()
 
 
 @pytest.mark.parametrize("method", ["dflash", "dspark"])
@@ -25,8 +30,9 @@ def test_routed_drafts_keep_the_trailing_block_and_vllm_alone_drops_it(tiny_fami
 
     patch.install()
     draft = getattr(ensure_trained_drafts(family=tiny_family), method)
-    config = _engine_config(tiny_family.target, {"method": method, "model": str(draft),
-                                                 "num_speculative_tokens": 3})
+    config = _engine_config(
+        tiny_family.target, {"method": method, "model": str(draft), "num_speculative_tokens": 3}
+    )
     spec = config.speculative_config
     assert config.cache_config.mamba_cache_mode == "align"
     assert patch.routed_nemotron35_draft(spec)
@@ -38,14 +44,19 @@ def test_routed_drafts_keep_the_trailing_block_and_vllm_alone_drops_it(tiny_fami
     )
 
 
-@pytest.mark.parametrize("method, archs", [
-    ("eagle", ["DFlashNemotron35DraftModel"]),  # not DFlash/DSpark
-    ("dflash", ["DFlashQwen3Model"]),  # vLLM's own class: not routed by the plugin
-    ("dspark", ["DFlashNemotron35DraftModel", "X"]),
-])
+@pytest.mark.parametrize(
+    "method, archs",
+    [
+        ("eagle", ["DFlashNemotron35DraftModel"]),  # not DFlash/DSpark
+        ("dflash", ["DFlashQwen3Model"]),  # vLLM's own class: not routed by the plugin
+        ("dspark", ["DFlashNemotron35DraftModel", "X"]),
+    ],
+)
 def test_other_drafts_keep_vllms_answer(method, archs):
-    spec = SimpleNamespace(method=method, draft_model_config=SimpleNamespace(
-        hf_config=SimpleNamespace(architectures=archs)))
+    spec = SimpleNamespace(
+        method=method,
+        draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=archs)),
+    )
     assert not patch.routed_nemotron35_draft(spec)
     assert patch._wrap(lambda self: True)(spec) is True
     assert patch._wrap(lambda self: False)(spec) is False

@@ -26,7 +26,8 @@ def test_tripwire_lm_format_enforcer_cannot_roll_back():
     assert "does not support speculative tokens" in inspect.getsource(backend_lm_format_enforcer)
     assert "max_rollback_tokens=self.num_speculative_tokens" in inspect.getsource(backend_xgrammar)
     assert {"speculative_config", "structured_outputs_config"} <= set(
-        inspect.signature(_upstream_verify()).parameters)
+        inspect.signature(_upstream_verify()).parameters
+    )
 
 
 def test_patch_is_installed():
@@ -46,8 +47,10 @@ def _calls(backend: str | None, spec: bool, guided: bool, arch="DFlashNemotron35
     def upstream(self, model_config, speculative_config, structured_outputs_config, tokenizer):
         ran.append(True)
 
-    params = SamplingParams(max_tokens=4, structured_outputs=(
-        StructuredOutputsParams(regex="[a-z]+") if guided else None))
+    params = SamplingParams(
+        max_tokens=4,
+        structured_outputs=(StructuredOutputsParams(regex="[a-z]+") if guided else None),
+    )
     verify = patch.make_verify(upstream)
     draft = types.SimpleNamespace(hf_config=types.SimpleNamespace(architectures=[arch]))
     spec_config = types.SimpleNamespace(method="dflash", draft_model_config=draft) if spec else None
@@ -69,12 +72,17 @@ def test_guided_request_on_lm_format_enforcer_with_drafts_is_refused():
     assert "xgrammar" in message and "dflash" in message
 
 
-@pytest.mark.parametrize("backend,spec,guided", [
-    ("lm-format-enforcer", False, True),  # no drafts
-    ("lm-format-enforcer", True, False),  # no guide
-    ("xgrammar", True, True), ("guidance", True, True), ("outlines", True, True),
-    ("auto", True, True),
-])
+@pytest.mark.parametrize(
+    "backend,spec,guided",
+    [
+        ("lm-format-enforcer", False, True),  # no drafts
+        ("lm-format-enforcer", True, False),  # no guide
+        ("xgrammar", True, True),
+        ("guidance", True, True),
+        ("outlines", True, True),
+        ("auto", True, True),
+    ],
+)
 def test_everything_else_goes_to_upstream(backend, spec, guided):
     error, ran = _calls(backend, spec, guided)
     assert error is None and ran

@@ -14,7 +14,9 @@ from vllm_nemotron_spec.patches import v1_nemotron35_proposers as patch
 
 def _config(method, archs):
     hf = types.SimpleNamespace(architectures=archs)
-    spec = types.SimpleNamespace(method=method, draft_model_config=types.SimpleNamespace(hf_config=hf))
+    spec = types.SimpleNamespace(
+        method=method, draft_model_config=types.SimpleNamespace(hf_config=hf)
+    )
     return types.SimpleNamespace(speculative_config=spec)
 
 
@@ -51,8 +53,9 @@ def test_applied_once():
     patch.install()
     assert GPUModelRunner.__init__ is first
     assert getattr(GPUModelRunner._input_fits_in_drafter, "_nemotron_spec_patch", False)
-    assert getattr(VllmConfig._get_v1_model_runner_unsupported_features, "_nemotron_spec_patch",
-                   False)
+    assert getattr(
+        VllmConfig._get_v1_model_runner_unsupported_features, "_nemotron_spec_patch", False
+    )
 
 
 def _unwrapped(func):
@@ -86,8 +89,9 @@ def test_tripwire_vllm_dflash_proposer_contract():
     assert "All drafting layers should belong to the same kv cache group" in inspect.getsource(
         llm_base_proposer.SpecDecodeBaseProposer.validate_same_kv_cache_group
     )
-    params = inspect.signature(getattr(_copy_and_expand_dflash_inputs, "func",
-                                       _copy_and_expand_dflash_inputs)).parameters
+    params = inspect.signature(
+        getattr(_copy_and_expand_dflash_inputs, "func", _copy_and_expand_dflash_inputs)
+    ).parameters
     if not params:  # the dispatcher object: read the wrapped function's source instead
         params = inspect.getsource(_copy_and_expand_dflash_inputs)
     assert "num_query_per_req" in params

@@ -72,12 +72,19 @@ def test_replace_when_imported_marks_the_replacement_and_a_failing_make_leaves_u
         assert module.f is upstream and not hasattr(upstream, "_nemotron_spec_patch")
         assert patches.state("nsp_fails").startswith("failed on vLLM")
         assert "upstream renamed" in patches.state("nsp_fails")
-        replace_when_imported("nsp_ok", "nsp_replace_mod", None, "f",
-                              lambda current: lambda: "patched")
+        replace_when_imported(
+            "nsp_ok", "nsp_replace_mod", None, "f", lambda current: lambda: "patched"
+        )
         patched = module.f
-        assert patched() == "patched" and patched._nemotron_spec_patch and patched.__wrapped__ is upstream
+        assert (
+            patched() == "patched"
+            and patched._nemotron_spec_patch
+            and patched.__wrapped__ is upstream
+        )
         assert patches.state("nsp_ok") == patches.INSTALLED
-        replace_when_imported("nsp_ok", "nsp_replace_mod", None, "f", lambda current: lambda: "again")
+        replace_when_imported(
+            "nsp_ok", "nsp_replace_mod", None, "f", lambda current: lambda: "again"
+        )
         assert module.f is patched  # idempotent: the plugin's replacement is kept
     finally:
         del sys.modules["nsp_replace_mod"]
@@ -87,8 +94,9 @@ def test_a_failing_install_never_breaks_the_upstream_import(tmp_path, monkeypatc
     (tmp_path / "nsp_broken_upstream.py").write_text("def g():\n    return 'upstream'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "nsp_broken_upstream", raising=False)
-    replace_when_imported("nsp_broken", "nsp_broken_upstream", None, "no_such_symbol",
-                          lambda current: current)
+    replace_when_imported(
+        "nsp_broken", "nsp_broken_upstream", None, "no_such_symbol", lambda current: current
+    )
     assert patches.state("nsp_broken") == patches.PENDING or "nsp_broken" not in patches._state
     import nsp_broken_upstream
 

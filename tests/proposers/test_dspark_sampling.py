@@ -87,9 +87,9 @@ def _generate(target_logits, draft, base_logits, draft_temperature, seed):
         q = torch.stack(probs, dim=1).reshape(TRIALS * GAMMA, VOCAB).contiguous()
         prev = torch.cat([last[:, None], ids[:, :-1]], dim=1)  # the prefix each position sees
         p_logits = (target_logits[prev] / TEMPERATURE).reshape(TRIALS * GAMMA, VOCAB)
-        bonus = torch.multinomial(
-            torch.softmax(target_logits[ids[:, -1]] / TEMPERATURE, -1), 1
-        ).to(torch.int32)
+        bonus = torch.multinomial(torch.softmax(target_logits[ids[:, -1]] / TEMPERATURE, -1), 1).to(
+            torch.int32
+        )
         emitted = rejection_sample(
             ids.reshape(-1).to(torch.int32).contiguous(),
             [GAMMA] * TRIALS,

@@ -15,8 +15,9 @@ V = 6
 
 def _metadata(temperatures, seeds):
     generators = {i: torch.Generator().manual_seed(s) for i, s in seeds.items()}
-    return SimpleNamespace(all_greedy=False, temperature=torch.tensor(temperatures),
-                           generators=generators)
+    return SimpleNamespace(
+        all_greedy=False, temperature=torch.tensor(temperatures), generators=generators
+    )
 
 
 def _probs(rows, seed=0):
@@ -32,8 +33,10 @@ def test_seeded_rows_repeat_and_unseeded_rows_are_left_alone():
     assert torch.equal(a, b)
     assert (a[:3] == -1).all(), "request 0 has no seed: vLLM's draw stays"
     assert (a[3:] >= 0).all()
-    different = [resample_seeded_rows(ids.clone(), probs, _metadata([0.7, 0.7], {1: s}))[3:]
-                 for s in range(20)]
+    different = [
+        resample_seeded_rows(ids.clone(), probs, _metadata([0.7, 0.7], {1: s}))[3:]
+        for s in range(20)
+    ]
     assert len({tuple(x.tolist()) for x in different}) > 1, "the seed must matter"
 
 
@@ -52,7 +55,9 @@ def test_seeded_draws_follow_the_draft_distribution():
     n = 4000
     counts = torch.zeros(V)
     for s in range(n):
-        out = resample_seeded_rows(torch.zeros(1, dtype=torch.long), probs, _metadata([1.0], {0: s}))
+        out = resample_seeded_rows(
+            torch.zeros(1, dtype=torch.long), probs, _metadata([1.0], {0: s})
+        )
         counts[out[0]] += 1
     expected = probs[0] * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())

@@ -39,9 +39,15 @@ def bf16_dspark(tiny_family, tmp_path_factory):
 
     cfg = json.loads((tiny_family.dspark_draft / "config.json").read_text())
     out = tmp_path_factory.mktemp("bf16") / "dspark"
-    return write_unquantized_draft(out, DSPARK, state, tiny_family.target, params=params,
-                                   target_layer_ids=cfg["target_layer_ids"],
-                                   mask_token_id=cfg["mask_token_id"])
+    return write_unquantized_draft(
+        out,
+        DSPARK,
+        state,
+        tiny_family.target,
+        params=params,
+        target_layer_ids=cfg["target_layer_ids"],
+        mask_token_id=cfg["mask_token_id"],
+    )
 
 
 @pytest.fixture(scope="session")
@@ -72,9 +78,13 @@ def modelopt_result(modelopt_engine, bf16_dflash, tmp_path_factory):
 
     engine, _ = modelopt_engine
     out = tmp_path_factory.mktemp("quantized") / "dflash-modelopt"
-    return quantize_draft(bf16_dflash, out, "modelopt",
-                          modelopt_python=None if engine.python is None else str(engine.python),
-                          progress=False)
+    return quantize_draft(
+        bf16_dflash,
+        out,
+        "modelopt",
+        modelopt_python=None if engine.python is None else str(engine.python),
+        progress=False,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,9 @@ def _module_tree(tensors: dict) -> nn.Module:
     return root
 
 
-def build_ct_draft(bf16_draft: str | Path, outdir: str | Path, *, fuse_gate_up: bool = True) -> Path:
+def build_ct_draft(
+    bf16_draft: str | Path, outdir: str | Path, *, fuse_gate_up: bool = True
+) -> Path:
     """Quantize the BF16 draft at ``bf16_draft`` into ``outdir`` with compressed-tensors (module
     doc)."""
     from compressed_tensors.compressors import ModelCompressor
@@ -99,8 +101,9 @@ def build_ct_draft(bf16_draft: str | Path, outdir: str | Path, *, fuse_gate_up: 
         for module in quantized.values():
             args = module.quantization_scheme.weights
             groups = module.weight.float().unflatten(-1, (-1, args.group_size))
-            scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args,
-                                         global_scale=module.weight_global_scale)
+            scale, _ = calculate_qparams(
+                groups.amin(-1), groups.amax(-1), args, global_scale=module.weight_global_scale
+            )
             module.weight_scale.data.copy_(scale.to(module.weight_scale.dtype))
 
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=CT_FORMAT)
@@ -115,4 +118,3 @@ def build_ct_draft(bf16_draft: str | Path, outdir: str | Path, *, fuse_gate_up: 
             shutil.copy2(f, outdir / f.name)
     compressor.update_config(str(outdir))
     return outdir
-

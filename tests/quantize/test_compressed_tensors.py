@@ -40,12 +40,18 @@ def test_fixture_is_compressed_tensors_nvfp4a16(ct_dflash):
     assert group["input_activations"] is None
     w = group["weights"]
     assert (w["num_bits"], w["type"], w["strategy"], w["group_size"]) == (
-        4, "float", "tensor_group", 16)
-    assert sorted(q["ignore"]) == sorted(f"layers.{i}.self_attn.{p}_proj" for i in range(6)
-                                         for p in "qkvo")
+        4,
+        "float",
+        "tensor_group",
+        16,
+    )
+    assert sorted(q["ignore"]) == sorted(
+        f"layers.{i}.self_attn.{p}_proj" for i in range(6) for p in "qkvo"
+    )
     t = tensors(ct_dflash)
-    assert _modules(t) == sorted(["fc"] + [f"layers.{i}.mlp.{p}_proj" for i in range(6)
-                                           for p in ("gate", "up", "down")])
+    assert _modules(t) == sorted(
+        ["fc"] + [f"layers.{i}.mlp.{p}_proj" for i in range(6) for p in ("gate", "up", "down")]
+    )
     for m in _modules(t):
         out, inp = t[f"{m}.weight_packed"].shape[0], t[f"{m}.weight_packed"].shape[1] * 2
         assert t[f"{m}.weight_packed"].dtype == torch.uint8
@@ -64,8 +70,9 @@ def test_packing_and_code_table_are_modelopts(ct_dflash):
     t = tensors(ct_dflash)
     for m in _modules(t):
         packed = t[f"{m}.weight_packed"]
-        theirs = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2,
-                                       dtype=torch.float32)
+        theirs = unpack_fp4_from_uint8(
+            packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32
+        )
         ours = nvfp4.e2m1_table()[nvfp4.unpack_codes(packed).long()]
         assert torch.equal(theirs, ours), m
 
@@ -93,8 +100,11 @@ def test_compressed_tensors_own_modelopt_converter_agrees(bf16_dflash):
     assert bits_equal(converted["fc.weight_packed"], q.weight)
     assert bits_equal(converted["fc.weight_scale"], q.weight_scale)
     assert float(converted["fc.weight_global_scale"]) == float(1 / q.weight_scale_2)
-    deq = ct.dequantize(converted["fc.weight_packed"], converted["fc.weight_scale"],
-                        converted["fc.weight_global_scale"])
+    deq = ct.dequantize(
+        converted["fc.weight_packed"],
+        converted["fc.weight_scale"],
+        converted["fc.weight_global_scale"],
+    )
     torch.testing.assert_close(deq, q.dequantize(), rtol=2.0**-22, atol=0)
 
 
@@ -108,11 +118,11 @@ def test_claims_only_compressed_tensors_nvfp4_weight_only(ct_dflash):
     assert ct.ct_nvfp4_weight_only(q)
     w4a4 = json.loads(json.dumps(q))
     w4a4["config_groups"]["group_0"]["input_activations"] = dict(
-        q["config_groups"]["group_0"]["weights"], dynamic="local")
+        q["config_groups"]["group_0"]["weights"], dynamic="local"
+    )
     assert not ct.ct_nvfp4_weight_only(w4a4)
     int4 = json.loads(json.dumps(q))
-    int4["config_groups"]["group_0"]["weights"].update(type="int", strategy="group",
-                                                       group_size=128)
+    int4["config_groups"]["group_0"]["weights"].update(type="int", strategy="group", group_size=128)
     int4["format"] = int4["config_groups"]["group_0"]["format"] = "pack-quantized"
     assert not ct.ct_nvfp4_weight_only(int4)
     modelopt = {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 16}
@@ -139,7 +149,10 @@ def test_override_on_cpu_and_gpu(ct_dflash, bf16_dflash, monkeypatch):
 
 
 def test_plugin_registers_the_config():
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+    from vllm.model_executor.layers.quantization import (
+        QUANTIZATION_METHODS,
+        get_quantization_config,
+    )
 
     from vllm_nemotron_spec import plugin
 
@@ -167,8 +180,11 @@ def _load(layer, t: dict, module: str, shard_id=None) -> None:
 
 
 def _reference(t: dict, module: str) -> torch.Tensor:
-    return nvfp4.dequantize(t[f"{module}.weight_packed"], t[f"{module}.weight_scale"],
-                            torch.reciprocal(t[f"{module}.weight_global_scale"]).reshape(()))
+    return nvfp4.dequantize(
+        t[f"{module}.weight_packed"],
+        t[f"{module}.weight_scale"],
+        torch.reciprocal(t[f"{module}.weight_global_scale"]).reshape(()),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -177,8 +193,9 @@ def test_fc_dequantizes_exactly_on_cpu(qc, ct_dflash, dtype):
 
     t = tensors(ct_dflash)
     out, inp = t["fc.weight_packed"].shape[0], t["fc.weight_packed"].shape[1] * 2
-    layer = ReplicatedLinear(inp, out, bias=False, quant_config=qc, prefix="model.fc",
-                             params_dtype=dtype)
+    layer = ReplicatedLinear(
+        inp, out, bias=False, quant_config=qc, prefix="model.fc", params_dtype=dtype
+    )
     assert type(layer.scheme) is ct.CompressedTensorsW4A16NvFp4Dequantized
     _load(layer, t, "fc")
     layer.quant_method.process_weights_after_loading(layer)
@@ -198,9 +215,14 @@ def test_fused_gate_up_with_different_global_scales_is_exact(qc, ct_dflash):
     gate, up = "layers.0.mlp.gate_proj", "layers.3.mlp.up_proj"
     assert float(t[f"{gate}.weight_global_scale"]) != float(t[f"{up}.weight_global_scale"])
     inter, hidden = t[f"{gate}.weight_packed"].shape[0], t[f"{gate}.weight_packed"].shape[1] * 2
-    layer = MergedColumnParallelLinear(hidden, [inter, inter], bias=False, quant_config=qc,
-                                       prefix="model.layers.14.mlp.gate_up_proj",
-                                       params_dtype=torch.float32)
+    layer = MergedColumnParallelLinear(
+        hidden,
+        [inter, inter],
+        bias=False,
+        quant_config=qc,
+        prefix="model.layers.14.mlp.gate_up_proj",
+        params_dtype=torch.float32,
+    )
     _load(layer, t, gate, 0)
     _load(layer, t, up, 1)
     layer.quant_method.process_weights_after_loading(layer)
@@ -213,11 +235,13 @@ def test_a_wrong_tensor_is_named(qc, ct_dflash):
 
     t = tensors(ct_dflash)
     out, inp = t["fc.weight_packed"].shape[0], t["fc.weight_packed"].shape[1] * 2
-    layer = ReplicatedLinear(inp, out, bias=False, quant_config=qc, prefix="model.fc",
-                             params_dtype=torch.float32)
+    layer = ReplicatedLinear(
+        inp, out, bias=False, quant_config=qc, prefix="model.fc", params_dtype=torch.float32
+    )
     with pytest.raises(ValueError, match=r"model\.fc\.weight_packed: found torch\.bfloat16"):
-        layer.weight_packed.weight_loader(layer.weight_packed,
-                                          torch.zeros(out, inp, dtype=torch.bfloat16))
+        layer.weight_packed.weight_loader(
+            layer.weight_packed, torch.zeros(out, inp, dtype=torch.bfloat16)
+        )
     with pytest.raises(RuntimeError, match=r"model\.fc\.weight_scale was never loaded"):
         layer.quant_method.process_weights_after_loading(layer)
 
@@ -259,12 +283,12 @@ def test_against_compressed_tensors_own_dequantization(ct_dflash):
     t = tensors(ct_dflash)
     scheme = preset_name_to_scheme("NVFP4A16", ["Linear"])
     for m in _modules(t):
-        packed, scale, g = (t[f"{m}.{k}"] for k in ("weight_packed", "weight_scale",
-                                                     "weight_global_scale"))
+        packed, scale, g = (
+            t[f"{m}.{k}"] for k in ("weight_packed", "weight_scale", "weight_global_scale")
+        )
         ours = ct.dequantize(packed, scale, g)
         codes = unpack_fp4_from_uint8(packed, *ours.shape, dtype=torch.float32)
-        theirs = ct_dequantize(x_q=codes, scale=scale.float(), global_scale=g,
-                               dtype=torch.float32)
+        theirs = ct_dequantize(x_q=codes, scale=scale.float(), global_scale=g, dtype=torch.float32)
         exact = _exact_dequantize(codes, scale, g)
         # the bound is for normal numbers (subnormals round absolutely)
         assert exact[exact != 0].abs().min() >= torch.finfo(torch.float32).tiny, m

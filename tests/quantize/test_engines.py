@@ -55,16 +55,20 @@ def test_modelopt_ran(modelopt_engine, modelopt_result):
     assert modelopt_result.engine.startswith(f"modelopt {version} (")
 
 
-def test_same_layout_configs_and_unpacked_tensors(compared, builtin_dflash, modelopt_dflash,
-                                                  modelopt_engine):
+def test_same_layout_configs_and_unpacked_tensors(
+    compared, builtin_dflash, modelopt_dflash, modelopt_engine
+):
     source, builtin, modelopt = compared
     assert sorted(builtin) == sorted(modelopt)
     for name in builtin:
-        assert (builtin[name].dtype, builtin[name].shape) == (modelopt[name].dtype,
-                                                              modelopt[name].shape), name
+        assert (builtin[name].dtype, builtin[name].shape) == (
+            modelopt[name].dtype,
+            modelopt[name].shape,
+        ), name
         if builtin[name].dtype == torch.bfloat16:  # stored BF16: the source tensor, unchanged
-            assert bits_equal(builtin[name], source[name]) and bits_equal(modelopt[name],
-                                                                          source[name]), name
+            assert bits_equal(builtin[name], source[name]) and bits_equal(
+                modelopt[name], source[name]
+            ), name
     _, version = modelopt_engine
     for file in ("config.json", "hf_quant_config.json"):
         a = json.loads((builtin_dflash / file).read_text())
@@ -109,7 +113,7 @@ def test_the_exact_difference(compared):
             exact = amax[differ] / (6.0 * gs.double())
             distance = (exact[:, None] - midpoints).abs().min(-1).values / exact
             assert float(distance.max()) < 2.0**-23, m  # a tie, to fp32 precision
-            steps = (s_b.view(torch.uint8)[differ].int() - s_m.view(torch.uint8)[differ].int())
+            steps = s_b.view(torch.uint8)[differ].int() - s_m.view(torch.uint8)[differ].int()
             assert int(steps.abs().max()) == 1, m
         blocks += differ.numel()
         scale_ties += int(differ.sum())
@@ -133,8 +137,9 @@ def test_the_exact_difference(compared):
     assert 0 < negative_zero <= weights // 20, negative_zero
 
 
-def test_in_process_in_the_modelopt_environment(modelopt_engine, bf16_dflash, modelopt_dflash,
-                                                tmp_path):
+def test_in_process_in_the_modelopt_environment(
+    modelopt_engine, bf16_dflash, modelopt_dflash, tmp_path
+):
     """The command itself run by the modelopt environment's Python (no vLLM there): modelopt runs
     in-process, stdout stays one JSON object, and the bytes equal the worker's."""
     import subprocess
@@ -146,9 +151,21 @@ def test_in_process_in_the_modelopt_environment(modelopt_engine, bf16_dflash, mo
         pytest.skip("modelopt imports in this Python: the in-process path is the fixture's own")
     out = tmp_path / "in-process"
     proc = subprocess.run(
-        [str(engine.python), "-m", "vllm_nemotron_spec.cli.main", "quantize", str(bf16_dflash),
-         str(out), "--engine", "modelopt", "--json"],
-        capture_output=True, text=True, env=mo._worker_env(), timeout=600,
+        [
+            str(engine.python),
+            "-m",
+            "vllm_nemotron_spec.cli.main",
+            "quantize",
+            str(bf16_dflash),
+            str(out),
+            "--engine",
+            "modelopt",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=mo._worker_env(),
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
@@ -165,8 +182,9 @@ def test_dspark_draft_through_modelopt(modelopt_engine, bf16_dspark, tmp_path):
     engine, version = modelopt_engine
     python = None if engine.python is None else str(engine.python)
     a = quantize_draft(bf16_dspark, tmp_path / "builtin", progress=False)
-    b = quantize_draft(bf16_dspark, tmp_path / "modelopt", "modelopt", modelopt_python=python,
-                       progress=False)
+    b = quantize_draft(
+        bf16_dspark, tmp_path / "modelopt", "modelopt", modelopt_python=python, progress=False
+    )
     ta, tb = tensors(a.outdir), tensors(b.outdir)
     assert sorted(ta) == sorted(tb)
     assert tb["markov_head.markov_w2.weight"].dtype == torch.uint8

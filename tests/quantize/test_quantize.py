@@ -11,13 +11,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.quantize.util import bits_equal
+from tests.quantize.util import tensors as _tensors
 from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 from vllm_nemotron_spec.quantize.core import QuantizeError, load_source, quantize_draft
-
-
-from tests.quantize.util import bits_equal
-from tests.quantize.util import tensors as _tensors
 
 
 def _json(path: Path) -> dict:
@@ -33,18 +31,25 @@ def test_dflash_has_the_official_layout_and_configs(bf16_dflash, builtin_dflash,
     """Same config.json, hf_quant_config.json, tensor names, dtypes and shapes as the tiny
     family's NVFP4 draft (written by tiny/drafts.py in the official layout)."""
     assert _json(builtin_dflash / "config.json") == _json(trained.dflash / "config.json")
-    assert (_json(builtin_dflash / "hf_quant_config.json")
-            == _json(trained.dflash / "hf_quant_config.json"))
+    assert _json(builtin_dflash / "hf_quant_config.json") == _json(
+        trained.dflash / "hf_quant_config.json"
+    )
     ours, official = _tensors(builtin_dflash), _tensors(trained.dflash)
     assert sorted(ours) == sorted(official)
     for name, t in official.items():
         assert (ours[name].dtype, tuple(ours[name].shape)) == (t.dtype, tuple(t.shape)), name
     packed = sorted(k[: -len(".weight_scale")] for k in ours if k.endswith(".weight_scale"))
-    assert packed == sorted(["fc"] + [f"layers.{i}.mlp.{p}_proj" for i in range(6)
-                                      for p in ("gate", "up", "down")])
+    assert packed == sorted(
+        ["fc"] + [f"layers.{i}.mlp.{p}_proj" for i in range(6) for p in ("gate", "up", "down")]
+    )
     assert all(ours[f"{m}.weight_scale_2"].shape == () for m in packed)
-    for name in ("embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "norm.weight",
-                 "layers.3.self_attn.k_norm.weight", "hidden_norm.weight"):
+    for name in (
+        "embed_tokens.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "norm.weight",
+        "layers.3.self_attn.k_norm.weight",
+        "hidden_norm.weight",
+    ):
         assert ours[name].dtype == torch.bfloat16
     # the tokenizer travels with the draft
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
@@ -77,15 +82,18 @@ def test_dequantized_weights_are_close_to_the_bf16_draft(bf16_dflash, builtin_df
         assert float(err) <= limit, (name, float(err))
 
 
-def test_dspark_packs_markov_w2_and_keeps_markov_w1_and_sinks_bf16(bf16_dspark, tiny_family,
-                                                                    tmp_path):
+def test_dspark_packs_markov_w2_and_keeps_markov_w1_and_sinks_bf16(
+    bf16_dspark, tiny_family, tmp_path
+):
     out = quantize_draft(bf16_dspark, tmp_path / "dspark", progress=False).outdir
     assert _json(out / "config.json") == _json(tiny_family.dspark_draft / "config.json")
-    assert (_json(out / "hf_quant_config.json")
-            == _json(tiny_family.dspark_draft / "hf_quant_config.json"))
+    assert _json(out / "hf_quant_config.json") == _json(
+        tiny_family.dspark_draft / "hf_quant_config.json"
+    )
     ours, official = _tensors(out), _tensors(tiny_family.dspark_draft)
     assert {k: (v.dtype, tuple(v.shape)) for k, v in ours.items()} == {
-        k: (v.dtype, tuple(v.shape)) for k, v in official.items()}
+        k: (v.dtype, tuple(v.shape)) for k, v in official.items()
+    }
     assert ours["markov_head.markov_w2.weight"].dtype == torch.uint8
     assert ours["markov_head.markov_w1.weight"].dtype == torch.bfloat16
     assert ours["layers.0.self_attn.attention_sink_bias"].dtype == torch.bfloat16
@@ -107,8 +115,7 @@ def test_result_passes_inspect(builtin_dflash, tiny_family):
 
 
 def test_shards_with_an_index_load_the_same_tensors(bf16_dflash, builtin_dflash, tmp_path):
-    out = quantize_draft(bf16_dflash, tmp_path / "sharded", max_shard_size="400KiB",
-                         progress=False)
+    out = quantize_draft(bf16_dflash, tmp_path / "sharded", max_shard_size="400KiB", progress=False)
     shards = sorted(p.name for p in out.outdir.glob("*.safetensors"))
     assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
     index = _json(out.outdir / "model.safetensors.index.json")
@@ -121,7 +128,8 @@ def test_shards_with_an_index_load_the_same_tensors(bf16_dflash, builtin_dflash,
     for k in single:
         assert bits_equal(single[k], sharded[k]), k
     assert index["metadata"]["total_size"] == sum(
-        t.numel() * t.element_size() for t in single.values())
+        t.numel() * t.element_size() for t in single.values()
+    )
 
 
 def test_streaming_writer_files_are_standard_safetensors(tmp_path):
@@ -136,8 +144,9 @@ def test_streaming_writer_files_are_standard_safetensors(tmp_path):
         "b.weight_scale_2": torch.tensor(0.25, dtype=torch.float32),
         "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
     }
-    write_shards(tensors, tmp_path, max_shard_bytes=10**9, metadata={"format": "pt"},
-                 progress=False)
+    write_shards(
+        tensors, tmp_path, max_shard_bytes=10**9, metadata={"format": "pt"}, progress=False
+    )
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         assert f.metadata() == {"format": "pt"}
         for k, v in tensors.items():
@@ -248,8 +257,19 @@ def test_cli_exit_status_2_names_the_problem(trained, tmp_path, capsys):
 
     assert main(["quantize", str(trained.dflash), str(tmp_path / "q"), "--quiet"]) == 2
     assert "already quantized" in capsys.readouterr().err
-    assert main(["quantize", str(trained.dflash_unquantized), str(tmp_path / "q"), "--quiet",
-                 "--max-shard-size", "lots"]) == 2
+    assert (
+        main(
+            [
+                "quantize",
+                str(trained.dflash_unquantized),
+                str(tmp_path / "q"),
+                "--quiet",
+                "--max-shard-size",
+                "lots",
+            ]
+        )
+        == 2
+    )
     assert "not a size: 'lots'" in capsys.readouterr().err
 
 
@@ -260,16 +280,26 @@ def test_cli_help_explains_layout_engines_and_environment(capsys):
         main(["quantize", "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
-    for needle in ("--engine {builtin,modelopt}", "--modelopt-python", "ITS OWN environment",
-                   "setuptools >= 80", "transformers < 5.15", ".venv-quantize",
-                   "scripts/install.sh --quantize", "markov_head.markov_w2",
-                   "markov_head.markov_w1", "hf_quant_config.json", "progress bar",
-                   "code 8 (-0)"):
+    for needle in (
+        "--engine {builtin,modelopt}",
+        "--modelopt-python",
+        "ITS OWN environment",
+        "setuptools >= 80",
+        "transformers < 5.15",
+        ".venv-quantize",
+        "scripts/install.sh --quantize",
+        "markov_head.markov_w2",
+        "markov_head.markov_w1",
+        "hf_quant_config.json",
+        "progress bar",
+        "code 8 (-0)",
+    ):
         assert needle in text, needle
 
 
-def test_modelopt_engine_without_an_environment_says_how_to_get_one(bf16_dflash, tmp_path,
-                                                                    monkeypatch):
+def test_modelopt_engine_without_an_environment_says_how_to_get_one(
+    bf16_dflash, tmp_path, monkeypatch
+):
     from vllm_nemotron_spec.quantize import modelopt_engine
     from vllm_nemotron_spec.quantize.modelopt_engine import ModelOptUnavailable
 
@@ -279,6 +309,11 @@ def test_modelopt_engine_without_an_environment_says_how_to_get_one(bf16_dflash,
     with pytest.raises(ModelOptUnavailable, match="scripts/install.sh --quantize"):
         quantize_draft(bf16_dflash, tmp_path / "q", "modelopt", progress=False)
     with pytest.raises(ModelOptUnavailable, match="does not exist"):
-        quantize_draft(bf16_dflash, tmp_path / "q", "modelopt",
-                       modelopt_python=str(tmp_path / "nope" / "python"), progress=False)
+        quantize_draft(
+            bf16_dflash,
+            tmp_path / "q",
+            "modelopt",
+            modelopt_python=str(tmp_path / "nope" / "python"),
+            progress=False,
+        )
     assert not (tmp_path / "q").exists()

@@ -52,8 +52,11 @@ def _run(tiny_family, prompts, name: str, draft):
         runs.set_cpu_engine_defaults()
         spec = None
         if draft is not None:
-            spec = {"method": "dflash", "model": str(draft),
-                    "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+            spec = {
+                "method": "dflash",
+                "model": str(draft),
+                "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+            }
         llm = runs.make_llm(str(tiny_family.target), spec, enable_prefix_caching=False)
         try:
             result = runs.generate(llm, prompts, MAX_TOKENS, name)
@@ -128,11 +131,13 @@ def test_quantized_acceptance_is_within_0_1_of_bf16(bf16, quantized):
     name, (_, counters, _), _ = quantized
     reference = bf16[1]
     got, want = counters.mean_acceptance_length, reference.mean_acceptance_length
-    detail = (f"{name}: mean acceptance length {got:.3f} (per position "
-              f"{[round(r, 3) for r in counters.per_position_acceptance]}, {counters.num_drafts} "
-              f"drafts) vs BF16 {want:.3f} (per position "
-              f"{[round(r, 3) for r in reference.per_position_acceptance]}, "
-              f"{reference.num_drafts} drafts)")
+    detail = (
+        f"{name}: mean acceptance length {got:.3f} (per position "
+        f"{[round(r, 3) for r in counters.per_position_acceptance]}, {counters.num_drafts} "
+        f"drafts) vs BF16 {want:.3f} (per position "
+        f"{[round(r, 3) for r in reference.per_position_acceptance]}, "
+        f"{reference.num_drafts} drafts)"
+    )
     print(detail)
     assert want > 2.5, detail  # the BF16 draft itself works
     assert abs(got - want) <= MAX_ACCEPTANCE_LOSS, detail

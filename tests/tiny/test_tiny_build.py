@@ -26,7 +26,9 @@ MODEL_DIRS = ("target", "dflash", "dspark")
 
 def _files(root: Path) -> dict[str, bytes]:
     return {
-        p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -164,7 +166,9 @@ def test_rebuild_when_incomplete_or_forced(quick_builds, tmp_path, monkeypatch):
     build_tiny_family(root, seed=0, spec=QUICK, force=True, progress=False)
     assert calls == [0, 0]
     assert weights.read_bytes() == original
-    assert not list(tmp_path.glob(".fam.*")) or all(p.suffix == ".lock" for p in tmp_path.glob(".fam.*"))
+    assert not list(tmp_path.glob(".fam.*")) or all(
+        p.suffix == ".lock" for p in tmp_path.glob(".fam.*")
+    )
 
 
 def test_refuses_to_replace_a_foreign_directory(tmp_path):
@@ -186,7 +190,9 @@ def test_cache_dir_and_ensure(monkeypatch, tmp_path):
 
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "cache"))
     calls = []
-    monkeypatch.setattr(build, "build_tiny_family", lambda outdir, seed: calls.append((outdir, seed)))
+    monkeypatch.setattr(
+        build, "build_tiny_family", lambda outdir, seed: calls.append((outdir, seed))
+    )
     build.ensure_tiny_family(seed=3)
     assert calls == [(tmp_path / "cache" / "tiny-family-seed3", 3)]
 
@@ -202,4 +208,7 @@ def test_session_family_is_complete(tiny_family):
 def test_full_family_rebuild_is_byte_identical(tiny_family, tmp_path):
     """A fresh build of the default seed-0 family equals the cached one byte for byte (minutes)."""
     fresh = build_tiny_family(tmp_path / "fresh", seed=0, progress=False)
-    assert json.loads((fresh.root / "manifest.json").read_text())["files"] == tiny_family.manifest()["files"]
+    assert (
+        json.loads((fresh.root / "manifest.json").read_text())["files"]
+        == tiny_family.manifest()["files"]
+    )

@@ -24,7 +24,12 @@ def test_listed_in_top_level_help(capsys):
 def test_reuses_existing_family_and_prints_paths(tiny_family, capsys):
     assert cli.main(["make-tiny", str(tiny_family.root), "--seed", "0", "--quiet"]) == 0
     out = capsys.readouterr().out
-    for path in (tiny_family.root, tiny_family.target, tiny_family.dflash_draft, tiny_family.dspark_draft):
+    for path in (
+        tiny_family.root,
+        tiny_family.target,
+        tiny_family.dflash_draft,
+        tiny_family.dspark_draft,
+    ):
         assert str(path) in out
 
 

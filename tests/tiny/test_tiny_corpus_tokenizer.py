@@ -66,7 +66,9 @@ def test_every_model_dir_has_the_same_tokenizer(tiny_family):
     for name in tk.TOKENIZER_FILES:
         ref = (tiny_family.tokenizer / name).read_bytes()
         for model_dir in (tiny_family.target, tiny_family.dflash_draft, tiny_family.dspark_draft):
-            assert (model_dir / name).read_bytes() == ref, f"{model_dir}/{name} differs from the target's"
+            assert (model_dir / name).read_bytes() == ref, (
+                f"{model_dir}/{name} differs from the target's"
+            )
 
 
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS + sample_prompts())
@@ -92,7 +94,13 @@ def test_transformers_autotokenizer(tiny_family):
     tok = tk.load_tokenizer(tiny_family.tokenizer)
     hf = AutoTokenizer.from_pretrained(str(tiny_family.tokenizer))
     assert len(hf) == 1024
-    assert (hf.unk_token_id, hf.bos_token_id, hf.eos_token_id, hf.pad_token_id, hf.mask_token_id) == (
+    assert (
+        hf.unk_token_id,
+        hf.bos_token_id,
+        hf.eos_token_id,
+        hf.pad_token_id,
+        hf.mask_token_id,
+    ) == (
         0,
         1,
         2,
@@ -103,8 +111,9 @@ def test_transformers_autotokenizer(tiny_family):
         ids = hf(text)["input_ids"]
         assert ids == tok.encode(text).ids
         assert hf.decode(ids, skip_special_tokens=True) == text
-    chat = hf.apply_chat_template([{"role": "user", "content": "The small cat"}], tokenize=False,
-                                  add_generation_prompt=True)
+    chat = hf.apply_chat_template(
+        [{"role": "user", "content": "The small cat"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<s><|im_start|>user\nThe small cat<|im_end|>\n<|im_start|>assistant\n<think>\n"
 
 
@@ -131,21 +140,37 @@ def test_chat_template_renders_tools_reasoning_and_tool_calls(tiny_family):
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(tiny_family.tokenizer))
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "", "reasoning_content": "Paris.", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather",
-                                              "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Paris.",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
         {"role": "tool", "content": "sunny"},
     ]
-    text = hf.apply_chat_template(messages, tools=[tool], tokenize=False,
-                                  add_generation_prompt=True, enable_thinking=False)
+    text = hf.apply_chat_template(
+        messages, tools=[tool], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     assert text.startswith("<s><|im_start|>system\nBe brief.\n\n# Tools\n")
     assert '{"name": "get_weather", "parameters":' in text
-    assert ("<|im_start|>assistant\n<think>Paris.</think>\n<tool_call>\n<function=get_weather>\n"
-            "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>\n") in text
+    assert (
+        "<|im_start|>assistant\n<think>Paris.</think>\n<tool_call>\n<function=get_weather>\n"
+        "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+    ) in text
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n<think></think>")

@@ -94,7 +94,9 @@ def test_config_has_every_official_field_with_its_type(tiny_family, kind):
         fields.update(DSPARK_FIELDS)
     for name, typ in fields.items():
         assert name in config, f"{kind} config.json lacks {name}"
-        assert _is(config[name], typ), f"{kind} {name}: expected {typ.__name__}, found {config[name]!r}"
+        assert _is(config[name], typ), (
+            f"{kind} {name}: expected {typ.__name__}, found {config[name]!r}"
+        )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -145,7 +147,10 @@ def test_dflash_config_values(tiny_family):
     assert rope["rope_type"] == "yarn"
     assert _is(rope["factor"], float) and rope["factor"] > 1
     assert _is(rope["original_max_position_embeddings"], int)
-    assert rope["factor"] * rope["original_max_position_embeddings"] == config["max_position_embeddings"]
+    assert (
+        rope["factor"] * rope["original_max_position_embeddings"]
+        == config["max_position_embeddings"]
+    )
     assert config["dflash_config"] == {
         "causal": False,
         "mask_token_id": MASK_ID,
@@ -192,7 +197,9 @@ def test_quantization_configs(tiny_family, kind):
         "type": "float",
         "group_size": 16,
     }
-    assert "input_activations" not in q["config_groups"]["group_0"]  # W4A16: activations unquantized
+    assert (
+        "input_activations" not in q["config_groups"]["group_0"]
+    )  # W4A16: activations unquantized
     for module in ("embed_tokens", "hidden_norm", "norm", "layers.*.self_attn*"):
         assert module in q["ignore"]
     assert ("markov_head.markov_w1" in q["ignore"]) == (kind == "dspark")
@@ -245,7 +252,7 @@ def test_vllm_modelopt_accepts_quantization_config(tiny_family, kind):
 def test_tensor_names_dtypes_shapes(tiny_family, kind):
     config = _config(tiny_family, kind)
     raw = _raw_tensors(tiny_family.draft(kind))
-    H, V, I = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    H, V, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
     nh, nkv, hd = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     bf16 = {
         "embed_tokens.weight": (V, H),
@@ -267,7 +274,13 @@ def test_tensor_names_dtypes_shapes(tiny_family, kind):
                 f"{p}.self_attn.k_norm.weight": (hd,),
             }
         )
-        fp4.update({f"{p}.mlp.gate_proj": (I, H), f"{p}.mlp.up_proj": (I, H), f"{p}.mlp.down_proj": (H, I)})
+        fp4.update(
+            {
+                f"{p}.mlp.gate_proj": (inter, H),
+                f"{p}.mlp.up_proj": (inter, H),
+                f"{p}.mlp.down_proj": (H, inter),
+            }
+        )
         if kind == "dspark":
             bf16[f"{p}.self_attn.attention_sink_bias"] = (nh,)
     if kind == "dspark":
@@ -285,7 +298,9 @@ def test_tensor_names_dtypes_shapes(tiny_family, kind):
     assert not any(k.startswith("model.") for k in raw)
     for name, (dtype, shape) in expected.items():
         assert raw[name].dtype == dtype, f"{name}: dtype {raw[name].dtype}, expected {dtype}"
-        assert tuple(raw[name].shape) == shape, f"{name}: shape {tuple(raw[name].shape)}, expected {shape}"
+        assert tuple(raw[name].shape) == shape, (
+            f"{name}: shape {tuple(raw[name].shape)}, expected {shape}"
+        )
     # the helper that other code uses describes the same layout
     described = layout.checkpoint_layout(config)
     assert {k: (getattr(torch, d), s) for k, (d, s) in described.items()} == expected
@@ -325,7 +340,10 @@ def test_nvfp4_scales_are_sane(tiny_family, kind):
     scales2 = {k: float(v) for k, v in raw.items() if k.endswith("weight_scale_2")}
     assert all(s > 0 for s in scales2.values())
     # one global scale per module: gate and up of a layer generally differ (the fused-GEMM pitfall)
-    assert scales2["layers.0.mlp.gate_proj.weight_scale_2"] != scales2["layers.0.mlp.up_proj.weight_scale_2"]
+    assert (
+        scales2["layers.0.mlp.gate_proj.weight_scale_2"]
+        != scales2["layers.0.mlp.up_proj.weight_scale_2"]
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -338,7 +356,9 @@ def test_read_draft_state_dict_of_family(tiny_family, kind):
         assert tensor.dtype == torch.float32
         assert tuple(tensor.shape) == shapes[name]
     raw = _raw_tensors(tiny_family.draft(kind))
-    expected_fc = nvfp4.dequantize(raw["fc.weight"], raw["fc.weight_scale"], raw["fc.weight_scale_2"])
+    expected_fc = nvfp4.dequantize(
+        raw["fc.weight"], raw["fc.weight_scale"], raw["fc.weight_scale_2"]
+    )
     assert torch.equal(state["fc.weight"], expected_fc)
     assert torch.equal(state["norm.weight"], raw["norm.weight"].float())
 
@@ -360,13 +380,17 @@ def test_write_read_round_trip(tiny_family, tmp_path, kind):
     ):
         ref = nvfp4.quantize(dense[f"{module}.weight"])
         assert torch.equal(raw[f"{module}.weight"], ref.weight)
-        assert torch.equal(raw[f"{module}.weight_scale"].view(torch.uint8), ref.weight_scale.view(torch.uint8))
+        assert torch.equal(
+            raw[f"{module}.weight_scale"].view(torch.uint8), ref.weight_scale.view(torch.uint8)
+        )
         assert torch.equal(raw[f"{module}.weight_scale_2"], ref.weight_scale_2)
     for name, value in dense.items():
         module = name[: -len(".weight")]
         if module in packed:
             expected = nvfp4.dequantize(
-                raw[f"{module}.weight"], raw[f"{module}.weight_scale"], raw[f"{module}.weight_scale_2"]
+                raw[f"{module}.weight"],
+                raw[f"{module}.weight_scale"],
+                raw[f"{module}.weight_scale_2"],
             )
             # NVFP4 is lossy but close: a 4-bit code times an fp8 block scale
             assert (back[name] - value).abs().max() <= 0.35 * value.abs().max(), name
@@ -381,7 +405,9 @@ def test_write_draft_without_embed_copies_the_target(tiny_family, tmp_path):
     del dense["embed_tokens.weight"]
     out = drafts.write_draft(tmp_path / "d", "dflash", dense, tiny_family.target)
     back = drafts.read_draft_state_dict(out)
-    assert torch.equal(back["embed_tokens.weight"], drafts.target_embedding(tiny_family.target).bfloat16().float())
+    assert torch.equal(
+        back["embed_tokens.weight"], drafts.target_embedding(tiny_family.target).bfloat16().float()
+    )
 
 
 def test_write_draft_errors_name_the_tensor(tiny_family, tmp_path):
@@ -393,7 +419,9 @@ def test_write_draft_errors_name_the_tensor(tiny_family, tmp_path):
         drafts.write_draft(tmp_path / "a", "dspark", bad, tiny_family.target)
     bad = dict(dense)
     bad["layers.2.mlp.up_proj.weight"] = torch.zeros(3, 3)
-    with pytest.raises(ValueError, match=r"layers\.2\.mlp\.up_proj\.weight.*\(384, 128\).*\(3, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"layers\.2\.mlp\.up_proj\.weight.*\(384, 128\).*\(3, 3\)"
+    ):
         drafts.write_draft(tmp_path / "b", "dspark", bad, tiny_family.target)
     bad = dict(dense)
     bad["layers.0.self_attn.attention_sink_bias"] = torch.full((8,), float("nan"))

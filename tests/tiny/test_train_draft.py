@@ -31,9 +31,17 @@ def target():
     from transformers import NemotronHForCausalLM
 
     params = TargetParams(
-        hidden_size=HIDDEN, hybrid_override_pattern="M*-M-", num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, intermediate_size=64, mamba_num_heads=4,
-        mamba_head_dim=8, ssm_state_size=8, n_groups=1, chunk_size=16,
+        hidden_size=HIDDEN,
+        hybrid_override_pattern="M*-M-",
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        n_groups=1,
+        chunk_size=16,
     )
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -45,12 +53,22 @@ def target():
 
 def _draft_config(kind=layout.DFLASH) -> dict:
     p = drafts.DraftParams(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        intermediate_size=32, markov_rank=16, sliding_window=6, block_size=4,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=32,
+        markov_rank=16,
+        sliding_window=6,
+        block_size=4,
     )
     return drafts.draft_config(
-        kind, hidden_size=HIDDEN, vocab_size=VOCAB, target_layer_ids=drafts.spread_layer_ids(8),
-        params=p, mask_token_id=MASK,
+        kind,
+        hidden_size=HIDDEN,
+        vocab_size=VOCAB,
+        target_layer_ids=drafts.spread_layer_ids(8),
+        params=p,
+        mask_token_id=MASK,
     )
 
 
@@ -143,8 +161,11 @@ def test_rope_matches_vllm(tmp_path, kind):
     spec = DraftSpec.from_config(config)
     with set_current_vllm_config(VllmConfig()):
         rope = get_rope(
-            spec.head_dim, max_position=hf.max_position_embeddings, is_neox_style=True,
-            rope_parameters=hf.rope_parameters, dtype=torch.float32,
+            spec.head_dim,
+            max_position=hf.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=hf.rope_parameters,
+            dtype=torch.float32,
         )
     positions = torch.tensor([0, 1, 5, 17, 255, 256, 1000, 4095])
     cos, sin = td.rope_cos_sin(spec.head_dim, spec.rope_theta, spec.rope_scaling, positions)
@@ -209,7 +230,9 @@ def test_mask_causal_and_sliding_window():
         [False, False, False, False, True, False],  # p=7 sees > 3
     ]
     assert allowed[:, 6:].tolist() == [
-        [True, False, False], [True, True, False], [True, True, True]
+        [True, False, False],
+        [True, True, False],
+        [True, True, True],
     ]
 
 
@@ -351,19 +374,32 @@ def test_unquantized_writer_has_no_quantization(tmp_path):
     target_dir = tmp_path / "target"
     target_dir.mkdir()
     config = _draft_config()
-    (target_dir / "config.json").write_text(json.dumps(
-        {"hidden_size": HIDDEN, "vocab_size": VOCAB, "hybrid_override_pattern": "M*-M-M*-M"}
-    ))
+    (target_dir / "config.json").write_text(
+        json.dumps(
+            {"hidden_size": HIDDEN, "vocab_size": VOCAB, "hybrid_override_pattern": "M*-M-M*-M"}
+        )
+    )
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (target_dir / name).write_text("{}")
     state = drafts.init_draft_state_dict(config, 0, embed_tokens=torch.randn(VOCAB, HIDDEN))
     params = drafts.DraftParams(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        intermediate_size=32, markov_rank=16, sliding_window=6, block_size=4,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=32,
+        markov_rank=16,
+        sliding_window=6,
+        block_size=4,
     )
     ids = drafts.spread_layer_ids(8)
     out = td.write_unquantized_draft(
-        tmp_path / "bf16", layout.DFLASH, state, target_dir, params=params, target_layer_ids=ids,
+        tmp_path / "bf16",
+        layout.DFLASH,
+        state,
+        target_dir,
+        params=params,
+        target_layer_ids=ids,
         mask_token_id=MASK,
     )
     written = json.loads((out / "config.json").read_text())

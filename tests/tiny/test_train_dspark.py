@@ -26,12 +26,22 @@ WINDOW = 6
 
 def _config(sample_from_anchor: bool = False) -> dict:
     params = drafts.DraftParams(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        intermediate_size=32, markov_rank=16, sliding_window=WINDOW, block_size=4,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=32,
+        markov_rank=16,
+        sliding_window=WINDOW,
+        block_size=4,
     )
     config = drafts.draft_config(
-        layout.DSPARK, hidden_size=HIDDEN, vocab_size=VOCAB,
-        target_layer_ids=drafts.spread_layer_ids(8), params=params, mask_token_id=MASK,
+        layout.DSPARK,
+        hidden_size=HIDDEN,
+        vocab_size=VOCAB,
+        target_layer_ids=drafts.spread_layer_ids(8),
+        params=params,
+        mask_token_id=MASK,
     )
     if sample_from_anchor:
         config.update(sample_from_anchor=True, dspark_bonus_anchor=False)
@@ -97,19 +107,35 @@ def test_attention_matches_vllm_cpu_kernel():
     )
     expected = torch.zeros(B, nh, hd)
     ops.cpu_attention_with_kv_cache(
-        q[0], key_cache, value_cache, expected, query_start, seq_lens, hd**-0.5, True, None, W,
-        torch.arange(2, dtype=torch.int32)[None], 0.0, meta, sinks,
+        q[0],
+        key_cache,
+        value_cache,
+        expected,
+        query_start,
+        seq_lens,
+        hd**-0.5,
+        True,
+        None,
+        W,
+        torch.arange(2, dtype=torch.int32)[None],
+        0.0,
+        meta,
+        sinks,
     )
     anchors = torch.tensor([[L]])
     dense = td.attention(
         q, k, v, td.block_attention_mask(anchors, B, L, causal=True, sliding_window=W), sinks
     )
     torch.testing.assert_close(dense.view(B, nh, hd), expected, rtol=1e-5, atol=1e-5)
+
     def in_window(x):  # the W - 1 context positions before L, then the block
         return torch.cat([x[:, L - W + 1 : L], x[:, L:]], dim=1)
 
     per_block = td.attention(
-        q, in_window(k), in_window(v), td.windowed_block_attention_mask(anchors, B, W, causal=True),
+        q,
+        in_window(k),
+        in_window(v),
+        td.windowed_block_attention_mask(anchors, B, W, causal=True),
         sinks,
     )
     torch.testing.assert_close(per_block.view(B, nh, hd), expected, rtol=1e-5, atol=1e-5)
@@ -125,7 +151,7 @@ def test_windowed_mask_is_the_dense_mask_restricted_to_the_window():
         expected_ctx = torch.where(ctx_pos[None] >= 0, rows[:, ctx_pos.clamp(min=0)], False)
         assert torch.equal(per_block[k, :, :3], expected_ctx)
         assert torch.equal(per_block[k, :, 3:], rows[:, 12 + 3 * k : 12 + 3 * k + 3])
-        assert not rows[:, :12][:, :max(L - 3, 0)].any()  # nothing outside the window
+        assert not rows[:, :12][:, : max(L - 3, 0)].any()  # nothing outside the window
 
 
 def test_windowed_forward_equals_the_dense_mask_forward():
@@ -236,7 +262,11 @@ def test_training_is_deterministic_and_trains_backbone_and_markov_head():
     tokens, aux = _inputs(S=6, T=24, seed=8)
     data = td.DraftData(tokens, torch.full((6,), 6), torch.full((6,), 24), aux)
     params = td.TrainParams(
-        block_size=4, steps=3, seqs_per_step=2, anchors_per_seq=4, warmup_steps=1,
+        block_size=4,
+        steps=3,
+        seqs_per_step=2,
+        anchors_per_seq=4,
+        warmup_steps=1,
         eval_sequences=2,
     )
 
@@ -249,8 +279,12 @@ def test_training_is_deterministic_and_trains_backbone_and_markov_head():
     init = _draft().state_dict()
     changed = {k for k in init if not torch.equal(a.state_dict[k], init[k])}
     assert "embed_tokens.weight" not in changed  # frozen
-    assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "fc.weight",
-            "layers.0.self_attn.attention_sink_bias"} <= changed
+    assert {
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "fc.weight",
+        "layers.0.self_attn.attention_sink_bias",
+    } <= changed
     assert a.eval["gamma"] == 3 and len(a.eval["acceptance"]["per_position"]) == 3
 
 
@@ -270,8 +304,9 @@ def fresh_data(tiny_family, trained):
     corpus seed), with the DSpark draft's aux hidden states."""
     from vllm_nemotron_spec._torch import deterministic_torch
 
-    params = td.DataParams(prompt_lengths=(24, 96), sequences_per_length=6, new_tokens=32,
-                           num_docs=300)
+    params = td.DataParams(
+        prompt_lengths=(24, 96), sequences_per_length=6, new_tokens=32, num_docs=300
+    )
     ids = td.aux_hidden_state_ids(DraftSpec.from_pretrained(trained.dspark))
     with deterministic_torch(1):
         return td.generate_draft_data(tiny_family.target, 7, params, ids, progress=False)
@@ -318,8 +353,10 @@ def test_trained_config_is_the_family_layout(tiny_family, trained):
     assert {k: v for k, v in wrong["dflash_config"].items() if k != "sample_from_anchor"} == {
         k: v for k, v in family["dflash_config"].items() if k != "sample_from_anchor"
     }
-    weights = [(path / "model.safetensors").read_bytes() for path in (trained.dspark,
-                                                                    trained.dspark_wrong_anchor)]
+    weights = [
+        (path / "model.safetensors").read_bytes()
+        for path in (trained.dspark, trained.dspark_wrong_anchor)
+    ]
     assert weights[0] == weights[1]  # identical
 
 
@@ -333,7 +370,8 @@ def test_markov_head_is_stored_as_in_the_official_checkpoint(tiny_family, traine
     assert dtypes["markov_head.markov_w2.weight_scale_2"] == (torch.float32, ())
     assert dtypes["markov_head.markov_w1.weight"] == (torch.bfloat16, (V, r))
     assert dtypes["layers.0.self_attn.attention_sink_bias"] == (
-        torch.bfloat16, (config["num_attention_heads"],)
+        torch.bfloat16,
+        (config["num_attention_heads"],),
     )
     assert {n: d for n, d in dtypes.items()} == {
         n: (getattr(torch, d), s) for n, (d, s) in layout.checkpoint_layout(config).items()

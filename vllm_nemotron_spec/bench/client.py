@@ -95,12 +95,20 @@ def complete(url: str, body: dict, *, stream: bool, timeout: float = 300.0) -> C
         status, data = post_json(f"{url}/v1/completions", body, timeout)
         end = time.perf_counter()
         if status != 200 or not isinstance(data, dict):
-            return Completion(status, [], None, error=_error_text(data), seconds=end - start,
-                              start=start, end=end)
+            return Completion(
+                status, [], None, error=_error_text(data), seconds=end - start, start=start, end=end
+            )
         choice = data["choices"][0]
-        return Completion(status, list(choice.get("token_ids") or []),
-                          choice.get("finish_reason"), choice.get("text") or "",
-                          seconds=end - start, start=start, end=end, usage=data.get("usage"))
+        return Completion(
+            status,
+            list(choice.get("token_ids") or []),
+            choice.get("finish_reason"),
+            choice.get("text") or "",
+            seconds=end - start,
+            start=start,
+            end=end,
+            usage=data.get("usage"),
+        )
     out = Completion(200, [], None, start=start)
     text: list[str] = []
     try:
@@ -123,8 +131,13 @@ def complete(url: str, body: dict, *, stream: bool, timeout: float = 300.0) -> C
                 if chunk.get("metrics"):
                     out.metrics = chunk["metrics"]
     except urllib.error.HTTPError as exc:
-        out = Completion(exc.code, [], None, start=start,
-                         error=_error_text(exc.read().decode("utf-8", "replace")))
+        out = Completion(
+            exc.code,
+            [],
+            None,
+            start=start,
+            error=_error_text(exc.read().decode("utf-8", "replace")),
+        )
     out.text = "".join(text)
     out.end = time.perf_counter()
     out.seconds = out.end - start
@@ -141,8 +154,9 @@ def get_text(url: str, timeout: float = 30.0) -> str:
     except urllib.error.HTTPError as exc:
         raise BenchError(f"GET {url}: HTTP {exc.code} {exc.reason}") from None
     except (urllib.error.URLError, OSError) as exc:
-        raise BenchError(f"GET {url}: {getattr(exc, 'reason', exc)} (is the server running?)") \
-            from None
+        raise BenchError(
+            f"GET {url}: {getattr(exc, 'reason', exc)} (is the server running?)"
+        ) from None
 
 
 def sse_chunks(resp) -> Iterator[dict]:
@@ -151,7 +165,7 @@ def sse_chunks(resp) -> Iterator[dict]:
         line = raw.decode("utf-8").strip()
         if not line.startswith("data:"):
             continue
-        payload = line[len("data:"):].strip()
+        payload = line[len("data:") :].strip()
         if payload == "[DONE]":
             return
         yield json.loads(payload)
@@ -185,8 +199,9 @@ def _error_text(data) -> str:
     return str(data)[:500]
 
 
-def stream_and_disconnect(url: str, body: dict, *, after_chunks: int,
-                          timeout: float = 120.0) -> int:
+def stream_and_disconnect(
+    url: str, body: dict, *, after_chunks: int, timeout: float = 120.0
+) -> int:
     """Start a streaming completion, read ``after_chunks`` data chunks, then close the connection
     (a client that goes away mid-stream). Returns the number of chunks read."""
     import http.client
@@ -196,8 +211,12 @@ def stream_and_disconnect(url: str, body: dict, *, after_chunks: int,
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     read = 0
     try:
-        conn.request("POST", "/v1/completions", json.dumps(dict(body, stream=True)),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(dict(body, stream=True)),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             raise CompletionError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
@@ -246,7 +265,7 @@ def metric(metrics: dict[str, float], name: str) -> float:
 
 
 _SAMPLE = re.compile(
-    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$'
+    r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+(?P<value>\S+)(?:\s+\S+)?$"
 )
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
 

@@ -104,8 +104,7 @@ def resolve_methods(specs: list[MethodSpec], family=None) -> list[MethodSpec]:
         if spec.method in DRAFT_METHODS and draft is None:
             if family is None or spec.method not in FAMILY_DRAFTS:
                 raise BenchError(
-                    f"--method {spec.method}: needs a draft checkpoint: "
-                    f"{spec.method}:DRAFT_DIR[:K]"
+                    f"--method {spec.method}: needs a draft checkpoint: {spec.method}:DRAFT_DIR[:K]"
                 )
             draft = family_draft(spec.method, family)
         if spec.method in ("dflash", "dspark"):

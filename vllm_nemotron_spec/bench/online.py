@@ -70,14 +70,27 @@ def server_counters(server: ServerSpec, timeout: float = 30.0) -> SpecCounters |
     return spec_counters_from_metrics(get_text(f"{server.url}/metrics", timeout))
 
 
-def stream_completion(server: ServerSpec, model: str, prompt: str, *, max_tokens: int,
-                      temperature: float, ignore_eos: bool, timeout: float) -> Completion:
+def stream_completion(
+    server: ServerSpec,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    temperature: float,
+    ignore_eos: bool,
+    timeout: float,
+) -> Completion:
     """One streaming ``/v1/completions`` request, timed per chunk; :class:`BenchError` when it
     fails."""
     url = f"{server.url}/v1/completions"
     body = {
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
-        "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos, "seed": 0,
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,
+        "seed": 0,
     }
     try:
         result = complete(server.url, body, stream=True, timeout=timeout)
@@ -97,10 +110,19 @@ def _spec_metrics(c: Completion) -> dict | None:
     return (c.metrics or {}).get("speculative_decoding") or None
 
 
-def run_server(servers: list[ServerSpec], prompts: list[str], *, max_tokens: int,
-               temperature: float = 0.0, ignore_eos: bool = False, max_concurrency: int = 8,
-               timeout: float = 600.0, warmup: bool = True, progress: bool = True,
-               metrics_settle_s: float = 5.0) -> tuple[list[RunStats], dict[str, str]]:
+def run_server(
+    servers: list[ServerSpec],
+    prompts: list[str],
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    ignore_eos: bool = False,
+    max_concurrency: int = 8,
+    timeout: float = 600.0,
+    warmup: bool = True,
+    progress: bool = True,
+    metrics_settle_s: float = 5.0,
+) -> tuple[list[RunStats], dict[str, str]]:
     """Benchmark each running server on the prompt set; returns the runs and the model each
     server serves."""
     results, models = [], {}
@@ -109,12 +131,18 @@ def run_server(servers: list[ServerSpec], prompts: list[str], *, max_tokens: int
         say(progress, f"bench [{i}/{len(servers)}] {server.label}: {server.url}")
         model = server_model(server)
         models[server.label] = model
-        kwargs = dict(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
-                      timeout=timeout)
+        kwargs = dict(
+            max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, timeout=timeout
+        )
         if warmup:
-            _run_pool(server, model, prompts[:WARMUP_PROMPTS],
-                      dict(kwargs, max_tokens=min(WARMUP_TOKENS, max_tokens), temperature=0.0),
-                      max_concurrency, progress=False)
+            _run_pool(
+                server,
+                model,
+                prompts[:WARMUP_PROMPTS],
+                dict(kwargs, max_tokens=min(WARMUP_TOKENS, max_tokens), temperature=0.0),
+                max_concurrency,
+                progress=False,
+            )
         before = server_counters(server)
         records = _run_pool(server, model, prompts, kwargs, max_concurrency, progress)
         after = _settled_counters(server, metrics_settle_s)
@@ -125,7 +153,8 @@ def run_server(servers: list[ServerSpec], prompts: list[str], *, max_tokens: int
         run.ttft_ms = [1000.0 * (r.first_token - r.start) for r in records if r.first_token]
         run.tpot_ms = [
             1000.0 * (r.end - r.first_token) / (_completion_tokens(r) - 1)
-            for r in records if r.first_token and _completion_tokens(r) > 1
+            for r in records
+            if r.first_token and _completion_tokens(r) > 1
         ]
         run.timing_source = "client_stream"
         if after is not None:

@@ -20,8 +20,10 @@ def format_report(report: dict) -> str:
         "",
     ]
     width = max([len("method")] + [len(r["label"]) for r in runs])
-    head = (f"{'method':<{width}}  {'tokens':>6}  {'s':>7}  {'tok/s':>8}  {'speedup':>7}  "
-            f"{'TPOT ms':>8}  {'accept len':>10}  {'draft acc':>9}  matches plain")
+    head = (
+        f"{'method':<{width}}  {'tokens':>6}  {'s':>7}  {'tok/s':>8}  {'speedup':>7}  "
+        f"{'TPOT ms':>8}  {'accept len':>10}  {'draft acc':>9}  matches plain"
+    )
     lines += [head, "-" * len(head)]
     for r in runs:
         if r["status"] != "ok":
@@ -42,24 +44,34 @@ def format_report(report: dict) -> str:
     spec_runs = [r for r in runs if r["per_position_acceptance"]]
     if spec_runs:
         k = max(len(r["per_position_acceptance"]) for r in spec_runs)
-        lines += ["", "per-position acceptance (share of drafting steps whose token at position "
-                  "p was accepted)"]
+        lines += [
+            "",
+            "per-position acceptance (share of drafting steps whose token at position "
+            "p was accepted)",
+        ]
         lines.append(f"{'method':<{width}}  " + "  ".join(f"{f'p{p}':>5}" for p in range(1, k + 1)))
         for r in spec_runs:
-            lines.append(f"{r['label']:<{width}}  " + "  ".join(
-                f"{x:>5.2f}" for x in r["per_position_acceptance"]))
+            lines.append(
+                f"{r['label']:<{width}}  "
+                + "  ".join(f"{x:>5.2f}" for x in r["per_position_acceptance"])
+            )
     hist_runs = [r for r in runs if r["acceptance_histogram"]]
     if hist_runs:
         k = max(len(r["acceptance_histogram"]) for r in hist_runs)
         sources = sorted({r["acceptance_histogram_source"] for r in hist_runs})
-        lines += ["", "acceptance length histogram (drafting steps that emitted L tokens = 1 + "
-                  f"accepted drafts; from {', '.join(sources).replace('_', ' ')})"]
+        lines += [
+            "",
+            "acceptance length histogram (drafting steps that emitted L tokens = 1 + "
+            f"accepted drafts; from {', '.join(sources).replace('_', ' ')})",
+        ]
         lines.append(
             f"{'method':<{width}}  " + "  ".join(f"{f'L={L}':>6}" for L in range(1, k + 1))
         )
         for r in hist_runs:
-            lines.append(f"{r['label']:<{width}}  " + "  ".join(
-                f"{x:>6d}" for x in r["acceptance_histogram"]))
+            lines.append(
+                f"{r['label']:<{width}}  "
+                + "  ".join(f"{x:>6d}" for x in r["acceptance_histogram"])
+            )
     timing = sorted({r["timing_source"] for r in runs if r["timing_source"]})
     if timing:
         lines += ["", "TPOT from " + ", ".join(_TIMING_NOTES.get(t, t) for t in timing)]
@@ -118,27 +130,48 @@ def plot_report(report: dict, path: str | Path) -> Path:
     for i, r in enumerate(spec):
         k = r["num_speculative_tokens"] or len(r["per_position_acceptance"])
         rates = r["per_position_acceptance"]
-        left.plot(range(1, len(rates) + 1), rates, marker="o", color=color[r["label"]],
-                  label=f"{r['label']} (K={k}, accept len {r['mean_acceptance_length']:.2f})")
+        left.plot(
+            range(1, len(rates) + 1),
+            rates,
+            marker="o",
+            color=color[r["label"]],
+            label=f"{r['label']} (K={k}, accept len {r['mean_acceptance_length']:.2f})",
+        )
         hist = r["acceptance_histogram"] or []
         total = sum(hist) or 1
         xs = [L + (i - (len(spec) - 1) / 2) * width for L in range(1, len(hist) + 1)]
-        mid.bar(xs, [h / total for h in hist], width=width, label=f"{r['label']} (K={k})",
-                color=color[r["label"]])
+        mid.bar(
+            xs,
+            [h / total for h in hist],
+            width=width,
+            label=f"{r['label']} (K={k})",
+            color=color[r["label"]],
+        )
     if spec:
         positions = max(len(r["per_position_acceptance"]) for r in spec)
-        left.set(title="per-position acceptance", xlabel="draft position p",
-                 ylabel="share of drafting steps accepted", ylim=(0, 1.05),
-                 xticks=range(1, positions + 1))
+        left.set(
+            title="per-position acceptance",
+            xlabel="draft position p",
+            ylabel="share of drafting steps accepted",
+            ylim=(0, 1.05),
+            xticks=range(1, positions + 1),
+        )
         left.legend(fontsize=8)
         left.grid(alpha=0.3)
-        mid.set(title="acceptance length histogram", xlabel="tokens per step L (1 + accepted)",
-                ylabel="share of drafting steps", xticks=range(1, longest + 1))
+        mid.set(
+            title="acceptance length histogram",
+            xlabel="tokens per step L (1 + accepted)",
+            ylabel="share of drafting steps",
+            xticks=range(1, longest + 1),
+        )
         mid.legend(fontsize=8)
         mid.grid(alpha=0.3, axis="y")
     if timed:
-        names = [r["label"] + (f" (K={r['num_speculative_tokens']})"
-                               if r["num_speculative_tokens"] else "") for r in timed]
+        names = [
+            r["label"]
+            + (f" (K={r['num_speculative_tokens']})" if r["num_speculative_tokens"] else "")
+            for r in timed
+        ]
         speeds = [r["tokens_per_s"] for r in timed]
         bars = right.barh(range(len(timed)), speeds, color=[color[r["label"]] for r in timed])
         right.set_yticks(range(len(timed)), names)
@@ -147,10 +180,14 @@ def plot_report(report: dict, path: str | Path) -> Path:
             note = f" {r['tokens_per_s']:.0f}"
             if r["speedup_vs_plain"] is not None:
                 note += f" ({r['speedup_vs_plain']:.2f}x)"
-            right.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, note, va="center",
-                       fontsize=8)
-        right.set(title="output tokens/s (speedup over plain)", xlabel="tokens/s",
-                  xlim=(0, max(speeds) * 1.3))
+            right.text(
+                bar.get_width(), bar.get_y() + bar.get_height() / 2, note, va="center", fontsize=8
+            )
+        right.set(
+            title="output tokens/s (speedup over plain)",
+            xlabel="tokens/s",
+            xlim=(0, max(speeds) * 1.3),
+        )
         right.grid(alpha=0.3, axis="x")
     else:
         right.text(0.5, 0.5, "no timed runs", ha="center", va="center")

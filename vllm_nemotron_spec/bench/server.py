@@ -46,12 +46,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_command(model: str, *, port: int, speculative_config: dict | None = None,
-                  args: tuple[str, ...] | list[str] = ()) -> list[str]:
+def serve_command(
+    model: str,
+    *,
+    port: int,
+    speculative_config: dict | None = None,
+    args: tuple[str, ...] | list[str] = (),
+) -> list[str]:
     """``python -m vllm_nemotron_spec.cli.main vllm serve MODEL --host 127.0.0.1 --port PORT``
     and ``args``."""
-    cmd = [sys.executable, "-m", "vllm_nemotron_spec.cli.main", "vllm", "serve", str(model),
-           "--host", HOST, "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_nemotron_spec.cli.main",
+        "vllm",
+        "serve",
+        str(model),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+    ]
     if speculative_config is not None:
         cmd += ["--speculative-config", json.dumps(speculative_config)]
     return cmd + [str(a) for a in args]
@@ -126,16 +141,24 @@ def _stop(proc: subprocess.Popen, timeout: float) -> None:
     proc.wait()
 
 
-def launch_server(model: str, log_path: str | Path, *, speculative_config: dict | None = None,
-                  args=(), env: dict | None = None, port: int | None = None) -> Server:
+def launch_server(
+    model: str,
+    log_path: str | Path,
+    *,
+    speculative_config: dict | None = None,
+    args=(),
+    env: dict | None = None,
+    port: int | None = None,
+) -> Server:
     """Start ``vllm serve`` in the background without waiting (see :func:`wait_ready`)."""
     port = port or free_port()
     cmd = serve_command(model, port=port, speculative_config=speculative_config, args=args)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as sink:
-        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=server_env(env),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=sink, stderr=subprocess.STDOUT, env=server_env(env), start_new_session=True
+        )
     server = Server(proc, f"http://{HOST}:{port}", log_path, cmd)
     server.extra["launched"] = time.monotonic()
     return server
@@ -152,7 +175,9 @@ def wait_ready(server: Server, timeout: float = 300.0) -> Server:
             error = startup_error(log)
             raise ServerStartError(
                 f"vllm serve exited with code {server.proc.returncode}: {error or 'see its log'}",
-                error, log[-4000:], server.proc.returncode,
+                error,
+                log[-4000:],
+                server.proc.returncode,
             )
         if server.healthy(timeout=2.0):
             server.started_s = time.monotonic() - launched
@@ -160,16 +185,28 @@ def wait_ready(server: Server, timeout: float = 300.0) -> Server:
         if time.monotonic() > deadline:
             server.stop()
             log = server.log()
-            raise ServerStartError(f"vllm serve not ready after {timeout:.0f} s", None,
-                                   log[-4000:], server.proc.returncode)
+            raise ServerStartError(
+                f"vllm serve not ready after {timeout:.0f} s",
+                None,
+                log[-4000:],
+                server.proc.returncode,
+            )
         time.sleep(0.5)
 
 
-def start_server(model: str, log_path: str | Path, *, speculative_config: dict | None = None,
-                 args=(), env: dict | None = None, timeout: float = 300.0) -> Server:
+def start_server(
+    model: str,
+    log_path: str | Path,
+    *,
+    speculative_config: dict | None = None,
+    args=(),
+    env: dict | None = None,
+    timeout: float = 300.0,
+) -> Server:
     """:func:`launch_server` + :func:`wait_ready`."""
-    server = launch_server(model, log_path, speculative_config=speculative_config, args=args,
-                           env=env)
+    server = launch_server(
+        model, log_path, speculative_config=speculative_config, args=args, env=env
+    )
     return wait_ready(server, timeout)
 
 
@@ -182,15 +219,26 @@ class FailedStart:
     became_ready: bool = False  # the server answered /health (it should not have)
 
 
-def serve_once(model: str, *, speculative_config: dict | None = None, args=(),
-               env: dict | None = None, timeout: float = 180.0) -> FailedStart:
+def serve_once(
+    model: str,
+    *,
+    speculative_config: dict | None = None,
+    args=(),
+    env: dict | None = None,
+    timeout: float = 180.0,
+) -> FailedStart:
     """Run ``vllm serve`` that is expected to fail at start-up; returns its exit code and output.
     If it becomes ready instead, it is stopped and ``became_ready`` is True."""
     port = free_port()
     cmd = serve_command(model, port=port, speculative_config=speculative_config, args=args)
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=server_env(env), start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=server_env(env),
+        start_new_session=True,
+    )
     ready = False
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -219,9 +267,7 @@ def _answers(url: str) -> bool:
 
 _WRAPPERS = ("See root cause above", "Engine core initialization failed")
 _PYDANTIC_TAIL = re.compile(r"\s*\[type=[^\]]*\]?.*$")
-_ERROR_LINE = re.compile(
-    r"^(?:[\w.]+\.)?(?P<type>[A-Z]\w*(?:Error|Exception)):\s*(?P<message>.*)$"
-)
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(?P<type>[A-Z]\w*(?:Error|Exception)):\s*(?P<message>.*)$")
 
 
 def startup_error(output: str) -> str | None:
@@ -231,8 +277,11 @@ def startup_error(output: str) -> str | None:
     ``Value error, ... [type=value_error, ...]``, with a multi-line message (e.g. the plugin's
     list of draft problems) joined with ``; ``. None when there is none."""
     lines = output.splitlines()
-    found = [i for i, raw in enumerate(lines)
-             if not raw.startswith((" ", "\t")) and _ERROR_LINE.match(raw.strip())]
+    found = [
+        i
+        for i, raw in enumerate(lines)
+        if not raw.startswith((" ", "\t")) and _ERROR_LINE.match(raw.strip())
+    ]
     if not found:
         return None
     # "Engine core initialization failed. See root cause above": the cause is the one before.
@@ -242,7 +291,7 @@ def startup_error(output: str) -> str | None:
     parts = [m.group("message").strip()]
     # pydantic puts the message on the lines after "1 validation error for X"; the plugin's
     # DraftSpecError lists problems on indented "  - ..." lines.
-    for raw in lines[last + 1:]:
+    for raw in lines[last + 1 :]:
         text = raw.strip()
         if not text or (raw[:1] not in (" ", "\t") and not text.startswith("Value error")):
             break

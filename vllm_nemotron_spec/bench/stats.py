@@ -118,7 +118,8 @@ def run_to_json(run: RunStats, reference: RunStats | None, compare_tokens: bool)
         "num_draft_tokens": c.num_draft_tokens if ok and c is not None else None,
         "num_accepted_tokens": c.num_accepted_tokens if ok and c is not None else None,
         "draft_acceptance_rate": (
-            _r(c.num_accepted_tokens / c.num_draft_tokens) if has_spec and c.num_draft_tokens
+            _r(c.num_accepted_tokens / c.num_draft_tokens)
+            if has_spec and c.num_draft_tokens
             else None
         ),
         "mean_acceptance_length": _r(c.mean_acceptance_length) if has_spec else None,
@@ -133,9 +134,20 @@ def run_to_json(run: RunStats, reference: RunStats | None, compare_tokens: bool)
     }
 
 
-def make_report(runs: list[RunStats], *, mode: str, model: str, prompts, num_prompts: int,
-                max_tokens: int, temperature: float, ignore_eos: bool, platform: str,
-                vllm_version: str | None, extra: dict | None = None) -> dict:
+def make_report(
+    runs: list[RunStats],
+    *,
+    mode: str,
+    model: str,
+    prompts,
+    num_prompts: int,
+    max_tokens: int,
+    temperature: float,
+    ignore_eos: bool,
+    platform: str,
+    vllm_version: str | None,
+    extra: dict | None = None,
+) -> dict:
     """The JSON-able report: header + one entry per run. The reference for speedup and the
     token comparison is the first run whose method is plain."""
     reference = next((r for r in runs if r.method == "plain"), None)

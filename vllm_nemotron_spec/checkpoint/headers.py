@@ -27,11 +27,26 @@ SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-    "F4": None, "F6_E2M3": None, "F6_E3M2": None,  # sub-byte: size not checked
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+    "F4": None,
+    "F6_E2M3": None,
+    "F6_E3M2": None,  # sub-byte: size not checked
 }
 """Bytes per element of every safetensors dtype."""
 
@@ -128,8 +143,11 @@ def _read_header(path: str, label: str, problems: list[str]) -> dict[str, Tensor
             if length > MAX_HEADER_BYTES or length > size - 8:
                 problems.append(
                     f"{label}: header length {length} exceeds "
-                    + (f"the file ({size} bytes)" if length <= MAX_HEADER_BYTES
-                       else f"the safetensors limit ({MAX_HEADER_BYTES} bytes)")
+                    + (
+                        f"the file ({size} bytes)"
+                        if length <= MAX_HEADER_BYTES
+                        else f"the safetensors limit ({MAX_HEADER_BYTES} bytes)"
+                    )
                     + ": not a safetensors file, or truncated"
                 )
                 return {}
@@ -159,8 +177,9 @@ def _read_header(path: str, label: str, problems: list[str]) -> dict[str, Tensor
     described = _described_data_end(header)
     truncated = described > data_len
     if truncated:
-        past = sorted(n for n, e in header.items() if n != "__metadata__" and
-                      _end_offset(e) > data_len)
+        past = sorted(
+            n for n, e in header.items() if n != "__metadata__" and _end_offset(e) > data_len
+        )
         problems.append(
             f"{label}: truncated: the file has {size} bytes but its header describes "
             f"{8 + length + described} ({8 + length + described - size} missing); "
@@ -176,8 +195,11 @@ def _read_header(path: str, label: str, problems: list[str]) -> dict[str, Tensor
         info = _tensor_entry(name, entry, label, max(data_len, described), problems)
         if info is not None:
             if info[2] > data_len:
-                info = (TensorInfo(info[0].name, info[0].dtype, info[0].shape, label, True),
-                        info[1], info[2])
+                info = (
+                    TensorInfo(info[0].name, info[0].dtype, info[0].shape, label, True),
+                    info[1],
+                    info[2],
+                )
             tensors[name] = info[0]
             spans.append((info[1], info[2], name))
     if not truncated and len(spans) == len(header) - ("__metadata__" in header):
@@ -207,11 +229,14 @@ def _end_offset(entry) -> int:
         return 0
     offsets, shape = entry.get("data_offsets"), entry.get("shape")
     itemsize = DTYPE_BYTES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
-    if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]
-            and isinstance(shape, list)
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        and 0 <= offsets[0] <= offsets[1]
+        and isinstance(shape, list)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
         return 0
     if itemsize is not None and math.prod(shape) * itemsize != offsets[1] - offsets[0]:
         return 0
@@ -299,7 +324,9 @@ def scan_checkpoint(directory: str) -> CheckpointScan:
             listed = [t for t, f in (weight_map or {}).items() if f == name]
             problems.append(
                 f"{INDEX_FILE} names shard {name!r} ({len(listed)} tensors, e.g. "
-                f"`{listed[0]}`) but the file is missing" if listed else f"{name}: missing"
+                f"`{listed[0]}`) but the file is missing"
+                if listed
+                else f"{name}: missing"
             )
             continue
         per_file[name] = _read_header(path, name, problems)
@@ -322,8 +349,7 @@ def scan_checkpoint(directory: str) -> CheckpointScan:
                 f"{len(unlisted)} tensor(s) in the shards are not listed in {INDEX_FILE}: "
                 + _names(unlisted)
             )
-    return CheckpointScan(directory, tuple(files), index, tensors, tuple(problems),
-                          tuple(warnings))
+    return CheckpointScan(directory, tuple(files), index, tensors, tuple(problems), tuple(warnings))
 
 
 def _read_index(path: str, problems: list[str]) -> dict[str, str]:
@@ -338,8 +364,10 @@ def _read_index(path: str, problems: list[str]) -> dict[str, str]:
         return {}
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
-        problems.append(f"{INDEX_FILE}: expected an object with a `weight_map` object "
-                        "(tensor name -> shard file)")
+        problems.append(
+            f"{INDEX_FILE}: expected an object with a `weight_map` object "
+            "(tensor name -> shard file)"
+        )
         return {}
     good: dict[str, str] = {}
     for tensor, name in weight_map.items():
@@ -383,8 +411,11 @@ def expected_modules(spec: DraftSpec) -> tuple[ModuleCheck, ...]:
         if not known:
             out.append(ModuleCheck(name, "unchecked", logical))
         elif spec.is_nvfp4 and spec.is_quantized(name):
-            out.append(ModuleCheck(name, "nvfp4", logical, nvfp4.packed_shape(logical),
-                                   nvfp4.scale_shape(logical)))
+            out.append(
+                ModuleCheck(
+                    name, "nvfp4", logical, nvfp4.packed_shape(logical), nvfp4.scale_shape(logical)
+                )
+            )
         else:
             out.append(ModuleCheck(name, "dense", logical))
     for name, shape in spec.dense_tensors():
@@ -408,8 +439,9 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
         return None
 
     why_dense = (
-        "the config has no quantization_config" if spec.quant_algo is None else
-        "quantization_config excludes it"
+        "the config has no quantization_config"
+        if spec.quant_algo is None
+        else "quantization_config excludes it"
     )
     linear = {name for name, _ in spec.linear_modules()}
     modules: list[ModuleCheck] = []
@@ -419,8 +451,10 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
         is_linear = name in linear
         weight_name = f"{name}.weight" if is_linear else name
         weight = find(weight_name)
-        scales = {s: find(f"{name}.{s}") if is_linear else None
-                  for s in ("weight_scale", "weight_scale_2", "input_scale")}
+        scales = {
+            s: find(f"{name}.{s}") if is_linear else None
+            for s in ("weight_scale", "weight_scale_2", "input_scale")
+        }
         logical = expected.logical_shape
         if expected.format == "nvfp4":
             packed, scale = expected.packed_shape, expected.scale_shape
@@ -444,8 +478,10 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
                     )
             s1 = scales["weight_scale"]
             if s1 is None:
-                problems.append(f"`{name}.weight_scale`: missing (expected F8_E4M3 {list(scale)}, "
-                                f"one scale per 16 inputs of logical {list(logical)})")
+                problems.append(
+                    f"`{name}.weight_scale`: missing (expected F8_E4M3 {list(scale)}, "
+                    f"one scale per 16 inputs of logical {list(logical)})"
+                )
             elif s1.dtype != "F8_E4M3" or s1.shape != scale:
                 problems.append(
                     f"`{name}.weight_scale`: found {s1.dtype} {list(s1.shape)}, expected F8_E4M3 "
@@ -456,11 +492,14 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
                 t = scales[key]
                 if t is None:
                     if required:
-                        problems.append(f"`{name}.{key}`: missing (expected a float32 scalar, "
-                                        "the global scale)")
+                        problems.append(
+                            f"`{name}.{key}`: missing (expected a float32 scalar, the global scale)"
+                        )
                 elif t.dtype != "F32" or t.shape not in ((), (1,)):
-                    problems.append(f"`{name}.{key}`: found {t.dtype} {list(t.shape)}, expected a "
-                                    "float32 scalar")
+                    problems.append(
+                        f"`{name}.{key}`: found {t.dtype} {list(t.shape)}, expected a "
+                        "float32 scalar"
+                    )
         elif expected.format == "dense":
             if weight is None:
                 problems.append(f"`{weight_name}`: missing (expected {list(logical)})")
@@ -473,19 +512,23 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
                         looks_packed = False
                     if looks_packed:
                         pattern = spec.exclusion_pattern(name)
-                        hint = (f"; it looks NVFP4-packed, but {why_dense}"
-                                + (f" (pattern {pattern!r})" if pattern else ""))
+                        hint = f"; it looks NVFP4-packed, but {why_dense}" + (
+                            f" (pattern {pattern!r})" if pattern else ""
+                        )
                 problems.append(
                     f"`{weight_name}`: found {weight.dtype} {list(weight.shape)}, expected an "
                     f"unquantized (BF16) tensor {list(logical)}{hint}"
                 )
             elif weight.shape != logical:
-                problems.append(f"`{weight_name}`: found {weight.dtype} {list(weight.shape)}, "
-                                f"expected shape {list(logical)}")
+                problems.append(
+                    f"`{weight_name}`: found {weight.dtype} {list(weight.shape)}, "
+                    f"expected shape {list(logical)}"
+                )
             for key, t in scales.items():
                 if t is not None:
-                    problems.append(f"`{name}.{key}`: present, but `{name}` is stored unquantized "
-                                    f"({why_dense})")
+                    problems.append(
+                        f"`{name}.{key}`: present, but `{name}` is stored unquantized ({why_dense})"
+                    )
         else:  # a quantization whose layout this package does not know
             packed = find(f"{name}.weight_packed") if is_linear and weight is None else None
             if packed is not None:  # compressed-tensors packs as weight_packed (+ its scales)
@@ -495,22 +538,34 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
             elif weight is None:
                 problems.append(f"`{weight_name}`: missing")
         cut = any(x is not None and x.truncated for x in (weight, *scales.values()))
-        modules.append(ModuleCheck(
-            name, expected.format, logical, expected.packed_shape, expected.scale_shape,
-            None if weight is None else weight.dtype, None if weight is None else weight.shape,
-            ok=len(problems) == before and not cut, truncated=cut,
-        ))
+        modules.append(
+            ModuleCheck(
+                name,
+                expected.format,
+                logical,
+                expected.packed_shape,
+                expected.scale_shape,
+                None if weight is None else weight.dtype,
+                None if weight is None else weight.shape,
+                ok=len(problems) == before and not cut,
+                truncated=cut,
+            )
+        )
 
-    for tensor, own, flag in (("embed_tokens.weight", spec.has_embed_tokens, "has_embed_tokens"),
-                              ("lm_head.weight", spec.has_lm_head, "has_lm_head")):
+    for tensor, own, flag in (
+        ("embed_tokens.weight", spec.has_embed_tokens, "has_embed_tokens"),
+        ("lm_head.weight", spec.has_lm_head, "has_lm_head"),
+    ):
         if own:
             continue
         present = [k for k in (tensor, f"model.{tensor}") if k in tensors]
         if not present:
             continue
         used.update(present)
-        message = (f"`{present[0]}` is in the checkpoint but `{flag}` is "
-                   f"{'false' if spec.is_nemotron35 else 'not true'}: the draft uses the target's")
+        message = (
+            f"`{present[0]}` is in the checkpoint but `{flag}` is "
+            f"{'false' if spec.is_nemotron35 else 'not true'}: the draft uses the target's"
+        )
         (problems if spec.is_nemotron35 else warnings).append(message)
     unexpected = sorted(set(tensors) - used)
     if unexpected:
@@ -533,8 +588,11 @@ class HeaderSource:
 
 def is_repo_id(model: str) -> bool:
     """Whether ``model`` names a Hugging Face repository rather than a local path."""
-    return (not os.path.exists(model) and not model.startswith((".", "/", "~"))
-            and re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None)
+    return (
+        not os.path.exists(model)
+        and not model.startswith((".", "/", "~"))
+        and re.fullmatch(r"[\w.-]+/[\w.-]+", model) is not None
+    )
 
 
 def cached_snapshot(repo_id: str, revision: str | None = None) -> str | None:
@@ -546,8 +604,9 @@ def cached_snapshot(repo_id: str, revision: str | None = None) -> str | None:
         from huggingface_hub.file_download import repo_folder_name
     except ImportError:
         return None
-    storage = os.path.join(constants.HF_HUB_CACHE,
-                           repo_folder_name(repo_id=repo_id, repo_type="model"))
+    storage = os.path.join(
+        constants.HF_HUB_CACHE, repo_folder_name(repo_id=repo_id, repo_type="model")
+    )
     ref = os.path.join(storage, "refs", revision or "main")
     commit = revision or "main"
     if os.path.isfile(ref):
@@ -564,7 +623,8 @@ def weights_present(directory: str) -> bool:
     if os.path.isfile(index_path):
         weight_map = _read_index(index_path, [])
         return bool(weight_map) and all(
-            os.path.isfile(os.path.join(directory, f)) for f in set(weight_map.values()))
+            os.path.isfile(os.path.join(directory, f)) for f in set(weight_map.values())
+        )
     try:
         return any(n.endswith(".safetensors") for n in os.listdir(directory))
     except OSError:
@@ -601,21 +661,32 @@ def _hub_headers(model: str, revision: str | None, at: str) -> HeaderSource:
     except NotASafetensorsRepoError:
         return HeaderSource(None, f"{at} lists no {SINGLE_FILE} or {INDEX_FILE} on the Hub")
     except SafetensorsParsingError as exc:
-        scan = CheckpointScan(at, (), None, {}, (f"header unreadable on the Hub ({exc})"[:300],),
-                              ())
+        scan = CheckpointScan(
+            at, (), None, {}, (f"header unreadable on the Hub ({exc})"[:300],), ()
+        )
         return HeaderSource(scan, where)
     except Exception as exc:  # unreachable Hub, unknown repo, gated, ...: vLLM says the rest
-        return HeaderSource(None, f"the Hub's safetensors metadata of {at} could not be read "
-                                  f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})")
+        return HeaderSource(
+            None,
+            f"the Hub's safetensors metadata of {at} could not be read "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
+        )
     problems: list[str] = []
     tensors: dict[str, TensorInfo] = {}
     for name, file_meta in sorted(meta.files_metadata.items()):
         for tensor, t in file_meta.tensors.items():
             if tensor in tensors:
-                problems.append(f"tensor `{tensor}` is stored twice: in {tensors[tensor].file} "
-                                f"and {name}")
+                problems.append(
+                    f"tensor `{tensor}` is stored twice: in {tensors[tensor].file} and {name}"
+                )
                 continue
             tensors[tensor] = TensorInfo(tensor, t.dtype, tuple(t.shape), name)
-    scan = CheckpointScan(at, tuple(sorted(meta.files_metadata)),
-                          INDEX_FILE if meta.sharded else None, tensors, tuple(problems), ())
+    scan = CheckpointScan(
+        at,
+        tuple(sorted(meta.files_metadata)),
+        INDEX_FILE if meta.sharded else None,
+        tensors,
+        tuple(problems),
+        (),
+    )
     return HeaderSource(scan, where)

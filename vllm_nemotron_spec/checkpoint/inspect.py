@@ -17,11 +17,17 @@ import shlex
 from collections import OrderedDict
 
 
-def inspect_checkpoint(draft: str, target: str | None = None,
-                       num_speculative_tokens: int | None = None, *,
-                       revision: str | None = None, target_revision: str | None = None,
-                       draft_config: dict | None = None, target_config=None,
-                       hub: bool = True) -> dict:
+def inspect_checkpoint(
+    draft: str,
+    target: str | None = None,
+    num_speculative_tokens: int | None = None,
+    *,
+    revision: str | None = None,
+    target_revision: str | None = None,
+    draft_config: dict | None = None,
+    target_config=None,
+    hub: bool = True,
+) -> dict:
     """Everything ``inspect`` prints, as a dict; never raises for a bad checkpoint.
 
     ``draft`` / ``target`` are local paths or Hub ids (at ``revision`` / ``target_revision``).
@@ -40,8 +46,9 @@ def inspect_checkpoint(draft: str, target: str | None = None,
 
     problems: list[str] = []
     warnings: list[str] = []
-    report: dict = OrderedDict(ok=False, draft=draft, target=target, problems=problems,
-                               warnings=warnings)
+    report: dict = OrderedDict(
+        ok=False, draft=draft, target=target, problems=problems, warnings=warnings
+    )
 
     # ---- draft config ----------------------------------------------------------------------
     spec = None
@@ -62,8 +69,10 @@ def inspect_checkpoint(draft: str, target: str | None = None,
             problems.extend(f"target config: {p}" for p in exc.problems)
     not_nemotron_h = _not_nemotron_h(target_config) if target_config is not None else None
     if not_nemotron_h:
-        problems.append(f"target: {target} is {not_nemotron_h}, not a NemotronH model "
-                        "(NemotronHForCausalLM); pass the target model as --target")
+        problems.append(
+            f"target: {target} is {not_nemotron_h}, not a NemotronH model "
+            "(NemotronHForCausalLM); pass the target model as --target"
+        )
         target_config = None
     if target_config is not None:
         try:
@@ -82,7 +91,6 @@ def inspect_checkpoint(draft: str, target: str | None = None,
     from vllm_nemotron_spec.checkpoint.headers import draft_headers, is_repo_id
 
     if spec is not None or (not is_repo_id(draft) and os.path.exists(draft)):
-
         source = draft_headers(draft, revision, hub=hub)
         report["weights_checked"] = source.where
         report["weights_deferred"] = source.scan is None
@@ -108,8 +116,11 @@ def inspect_checkpoint(draft: str, target: str | None = None,
         report["quantization"] = _quantization(spec, modules)
         report["spec"] = spec.to_dict()
     if spec is not None and gamma is not None and not problems:
-        speculative_config = {"method": spec.method, "model": _model_arg(draft),
-                              "num_speculative_tokens": gamma}
+        speculative_config = {
+            "method": spec.method,
+            "model": _model_arg(draft),
+            "num_speculative_tokens": gamma,
+        }
         if revision is not None:
             speculative_config["revision"] = revision
         report["speculative_config"] = speculative_config
@@ -133,8 +144,11 @@ def tensor_problems(spec, scan) -> tuple:
     if scan is None or not scan.tensors or (scan.problems and not truncated):
         return expected_modules(spec), [], []
     checked = check_tensors(spec, scan.tensors)
-    return (checked.modules, [f"draft weights: {p}" for p in checked.problems],
-            [f"draft weights: {w}" for w in checked.warnings])
+    return (
+        checked.modules,
+        [f"draft weights: {p}" for p in checked.problems],
+        [f"draft weights: {w}" for w in checked.warnings],
+    )
 
 
 def _checkpoint_facts(scan) -> dict:
@@ -142,13 +156,22 @@ def _checkpoint_facts(scan) -> dict:
         "files": list(scan.files),
         "index": scan.index,
         "num_tensors": len(scan.tensors),
-        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
-                     "file": t.file, "truncated": t.truncated} for t in scan.tensors.values()],
+        "tensors": [
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "file": t.file,
+                "truncated": t.truncated,
+            }
+            for t in scan.tensors.values()
+        ],
     }
 
 
-def load_config(model: str, what: str = "draft", revision: str | None = None,
-                hub: bool = True) -> tuple[dict, str]:
+def load_config(
+    model: str, what: str = "draft", revision: str | None = None, hub: bool = True
+) -> tuple[dict, str]:
     """``model``'s config.json as a dict (with ModelOpt's ``hf_quant_config.json`` as its
     ``quantization_config`` when the config has none) and the file read.
 
@@ -170,11 +193,17 @@ def load_config(model: str, what: str = "draft", revision: str | None = None,
         from huggingface_hub import constants
 
         at = f"{model}@{revision or 'main'}"
-        why = (" and the Hub is off (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE
-               else " and the Hub did not provide it (unknown repository or revision, no "
-                    "access, or no connection)" if hub else "")
-        raise DraftSpecError(f"{what} {at}: config.json is not in the local Hugging Face cache"
-                             + why)
+        why = (
+            " and the Hub is off (HF_HUB_OFFLINE=1)"
+            if constants.HF_HUB_OFFLINE
+            else " and the Hub did not provide it (unknown repository or revision, no "
+            "access, or no connection)"
+            if hub
+            else ""
+        )
+        raise DraftSpecError(
+            f"{what} {at}: config.json is not in the local Hugging Face cache" + why
+        )
     cfg, file = read_config_json(file, what)
     if "quantization_config" not in cfg:
         quant = _hub_file(model, "hf_quant_config.json", revision, hub)
@@ -251,28 +280,41 @@ def _spec_facts(spec, gamma) -> dict:
         mask_token_id=spec.mask_token_id,
         target_layer_ids=list(spec.target_layer_ids),
         aux_hidden_state_ids=list(spec.aux_hidden_state_ids),
-        attention={"causal": spec.causal, "sliding_window": spec.sliding_window,
-                   "attention_sinks": spec.has_attention_sinks, "rope_theta": spec.rope_theta,
-                   "rope_scaling": spec.rope_scaling},
+        attention={
+            "causal": spec.causal,
+            "sliding_window": spec.sliding_window,
+            "attention_sinks": spec.has_attention_sinks,
+            "rope_theta": spec.rope_theta,
+            "rope_scaling": spec.rope_scaling,
+        },
         markov_head={"type": spec.markov_head_type, "rank": spec.markov_rank}
-        if spec.method == "dspark" else None,
+        if spec.method == "dspark"
+        else None,
         embed_tokens="draft" if spec.has_embed_tokens else "target",
         lm_head="draft" if spec.has_lm_head else "target",
     )
 
 
 def _quantization(spec, modules) -> dict:
-    out = OrderedDict(quant_method=spec.quant_method, quant_algo=spec.quant_algo,
-                      group_size=spec.quant_group_size,
-                      exclude_modules=list(spec.quant_exclude_modules))
+    out = OrderedDict(
+        quant_method=spec.quant_method,
+        quant_algo=spec.quant_algo,
+        group_size=spec.quant_group_size,
+        exclude_modules=list(spec.quant_exclude_modules),
+    )
     if modules is not None:
         out["modules"] = [
-            {"name": m.name, "format": m.format, "logical_shape": list(m.logical_shape),
-             "packed_shape": None if m.packed_shape is None else list(m.packed_shape),
-             "scale_shape": None if m.scale_shape is None else list(m.scale_shape),
-             "found_dtype": m.found_dtype,
-             "found_shape": None if m.found_shape is None else list(m.found_shape),
-             "ok": m.ok, "truncated": m.truncated}
+            {
+                "name": m.name,
+                "format": m.format,
+                "logical_shape": list(m.logical_shape),
+                "packed_shape": None if m.packed_shape is None else list(m.packed_shape),
+                "scale_shape": None if m.scale_shape is None else list(m.scale_shape),
+                "found_dtype": m.found_dtype,
+                "found_shape": None if m.found_shape is None else list(m.found_shape),
+                "ok": m.ok,
+                "truncated": m.truncated,
+            }
             for m in modules
         ]
     return out
@@ -285,7 +327,8 @@ def vllm_draft_config(draft_model_config) -> dict:
     from vllm_nemotron_spec.checkpoint.spec import DraftSpecError
 
     try:
-        return load_config(draft_model_config.model, "draft",
-                           getattr(draft_model_config, "revision", None))[0]
+        return load_config(
+            draft_model_config.model, "draft", getattr(draft_model_config, "revision", None)
+        )[0]
     except DraftSpecError:
         return draft_model_config.hf_config.to_dict()

@@ -134,14 +134,16 @@ def draft_kind(config: dict) -> str:
     for kind, name in ARCHITECTURES.items():
         if arch == name:
             return kind
-    raise ValueError(f"config architectures {config.get('architectures')} is neither of {ARCHITECTURES}")
+    raise ValueError(
+        f"config architectures {config.get('architectures')} is neither of {ARCHITECTURES}"
+    )
 
 
 def logical_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Dense (logical) shape of every tensor of the draft, by checkpoint name (no ``model.`` prefix)."""
     kind = draft_kind(config)
     d = _dims(config)
-    H, V, nh, nkv, hd, I = d["H"], d["V"], d["nh"], d["nkv"], d["hd"], d["I"]
+    H, V, nh, nkv, hd, inter = d["H"], d["V"], d["nh"], d["nkv"], d["hd"], d["I"]
     shapes: dict[str, tuple[int, ...]] = {
         "embed_tokens.weight": (V, H),
         "fc.weight": (H, d["A"] * H),
@@ -160,9 +162,9 @@ def logical_shapes(config: dict) -> dict[str, tuple[int, ...]]:
                 f"{p}.self_attn.o_proj.weight": (H, nh * hd),
                 f"{p}.self_attn.q_norm.weight": (hd,),
                 f"{p}.self_attn.k_norm.weight": (hd,),
-                f"{p}.mlp.gate_proj.weight": (I, H),
-                f"{p}.mlp.up_proj.weight": (I, H),
-                f"{p}.mlp.down_proj.weight": (H, I),
+                f"{p}.mlp.gate_proj.weight": (inter, H),
+                f"{p}.mlp.up_proj.weight": (inter, H),
+                f"{p}.mlp.down_proj.weight": (H, inter),
             }
         )
         if kind == DSPARK:
@@ -184,7 +186,11 @@ def is_nvfp4_module(module: str) -> bool:
 
 def nvfp4_modules(config: dict) -> list[str]:
     """Modules stored as NVFP4: fc, the MLP linears and (DSpark) markov_w2."""
-    return [n[: -len(".weight")] for n in logical_shapes(config) if is_nvfp4_module(n[: -len(".weight")])]
+    return [
+        n[: -len(".weight")]
+        for n in logical_shapes(config)
+        if is_nvfp4_module(n[: -len(".weight")])
+    ]
 
 
 def checkpoint_layout(config: dict) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -338,12 +338,24 @@ def read_config_json(path: str, what: str = "draft") -> tuple[dict, str]:
     return cfg, file
 
 
-BLOCK_TYPE_CHARS = {"linear_attention": "M", "mamba": "M", "full_attention": "*",
-                    "attention": "*", "mlp": "-", "moe": "E"}
+BLOCK_TYPE_CHARS = {
+    "linear_attention": "M",
+    "mamba": "M",
+    "full_attention": "*",
+    "attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
 """``layers_block_type`` values (transformers >= 5 and their legacy names) -> pattern characters."""
 
-_TARGET_FIELDS = ("hybrid_override_pattern", "layers_block_type", "num_hidden_layers",
-                  "hidden_size", "vocab_size", "architectures")
+_TARGET_FIELDS = (
+    "hybrid_override_pattern",
+    "layers_block_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "vocab_size",
+    "architectures",
+)
 
 
 def target_config_dict(target_config: Any) -> Any:
@@ -385,8 +397,9 @@ def target_num_blocks(target_config: Any) -> int:
     problems: list[str] = []
     blocks = _target_blocks(target_config, problems)
     if problems or blocks is None:
-        raise DraftSpecError(problems or ["target config: cannot tell the number of blocks"],
-                             source="target")
+        raise DraftSpecError(
+            problems or ["target config: cannot tell the number of blocks"], source="target"
+        )
     return blocks
 
 
@@ -430,8 +443,9 @@ def _target_blocks(target_config: Any, problems: list[str]) -> int | None:
         return None
     if pattern is not None:
         return len(pattern)
-    if layers is None and not any(f.has(k) for k in ("hybrid_override_pattern",
-                                                     "num_hidden_layers", "layers_block_type")):
+    if layers is None and not any(
+        f.has(k) for k in ("hybrid_override_pattern", "num_hidden_layers", "layers_block_type")
+    ):
         problems.append(
             "target config: missing `layers_block_type`, `hybrid_override_pattern` and "
             "`num_hidden_layers` (cannot count the target's blocks)"
@@ -518,8 +532,9 @@ class DraftSpec:
         values = _parse(cfg, problems, warnings)
         if problems:
             raise DraftSpecError(problems, source=source)
-        spec = cls(path=None if path is None else os.fspath(path), warnings=tuple(warnings),
-                   **values)
+        spec = cls(
+            path=None if path is None else os.fspath(path), warnings=tuple(warnings), **values
+        )
         if target_config is not None:
             validate_against_target(spec, target_config)
         return spec
@@ -557,8 +572,11 @@ class DraftSpec:
             return self.default_num_speculative_tokens
         gamma = _check_gamma(requested)
         if limit is not None and gamma > limit:
-            block = (f"trained block_size {self.block_size}" if self.method == "dspark" else
-                     f"trained block_size {self.block_size} (one row is the anchor)")
+            block = (
+                f"trained block_size {self.block_size}"
+                if self.method == "dspark"
+                else f"trained block_size {self.block_size} (one row is the anchor)"
+            )
             raise DraftSpecError(
                 f"num_speculative_tokens={gamma} exceeds the {block}: acceptance collapses at "
                 f"every position beyond the trained block size; use at most {limit}"
@@ -578,8 +596,9 @@ class DraftSpec:
             prefix = f"{head}." if head else ""
             answers = {s: not self._excluded(prefix + s) for s in _FUSED_SHARDS[leaf]}
             if len(set(answers.values())) > 1:
-                shown = ", ".join(f"{prefix}{s}: {'quantized' if q else 'excluded'}"
-                                  for s, q in answers.items())
+                shown = ", ".join(
+                    f"{prefix}{s}: {'quantized' if q else 'excluded'}" for s, q in answers.items()
+                )
                 raise DraftSpecError(
                     f"{module_name}: its shards are quantized differently ({shown}); a fused "
                     "linear needs one format"
@@ -592,7 +611,7 @@ class DraftSpec:
 
     def exclusion_pattern(self, module_name: str) -> str | None:
         """The first ``quant_exclude_modules`` pattern that excludes ``module_name``, or None."""
-        bare = module_name[len("model."):] if module_name.startswith("model.") else module_name
+        bare = module_name[len("model.") :] if module_name.startswith("model.") else module_name
         names = (bare, f"model.{bare}")
         for pattern in self.quant_exclude_modules:
             for name in names:
@@ -622,8 +641,12 @@ class DraftSpec:
                 (p + "mlp.down_proj", (h, inter)),
             ]
         if self.method == "dspark" and self.markov_rank is not None:
-            mods.append(("markov_head.markov_w2", (self.draft_vocab_size or self.vocab_size,
-                                                   self.markov_rank)))
+            mods.append(
+                (
+                    "markov_head.markov_w2",
+                    (self.draft_vocab_size or self.vocab_size, self.markov_rank),
+                )
+            )
         if self.has_lm_head:
             mods.append(("lm_head", (self.draft_vocab_size or self.vocab_size, h)))
         return tuple(mods)
@@ -726,8 +749,14 @@ def check_against_target(spec: DraftSpec, target_config: Any) -> tuple[list[str]
                     f"`{name}`: the draft's fc expects aux hidden states of width {fc_in} but the "
                     f"target's hidden_size is {hidden}"
                 )
-            borrowed = [n for n, own in (("lm_head", spec.has_lm_head),
-                                         ("embed_tokens", spec.has_embed_tokens)) if not own]
+            borrowed = [
+                n
+                for n, own in (
+                    ("lm_head", spec.has_lm_head),
+                    ("embed_tokens", spec.has_embed_tokens),
+                )
+                if not own
+            ]
             if borrowed and spec.hidden_size != hidden and fc_in == hidden:
                 problems.append(
                     f"`hidden_size`: the draft's is {spec.hidden_size} but it uses the target's "
@@ -790,8 +819,10 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
     hidden = f.get("hidden_size", _pos_int, required=True)
     layers = f.get("num_hidden_layers", _pos_int, required=True)
     if layers is not None and layers > MAX_DRAFT_LAYERS:
-        problems.append(f"`num_hidden_layers`: {layers} is not a draft's layer count (at most "
-                        f"{MAX_DRAFT_LAYERS}; the Nemotron 3.5 drafts have 6)")
+        problems.append(
+            f"`num_hidden_layers`: {layers} is not a draft's layer count (at most "
+            f"{MAX_DRAFT_LAYERS}; the Nemotron 3.5 drafts have 6)"
+        )
         layers = None
     heads = f.get("num_attention_heads", _pos_int, required=True)
     kv_heads = f.get("num_key_value_heads", _pos_int, required=nemotron, default=heads)
@@ -799,8 +830,13 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
     inter = f.get("intermediate_size", _pos_int, required=True)
     vocab = f.get("vocab_size", _pos_int, required=True)
     eps = f.get("rms_norm_eps", _pos_float, default=1e-6)
-    if head_dim is None and not nemotron and not f.has("head_dim") and hidden is not None \
-            and heads is not None:
+    if (
+        head_dim is None
+        and not nemotron
+        and not f.has("head_dim")
+        and hidden is not None
+        and heads is not None
+    ):
         if hidden % heads:
             problems.append(
                 f"`head_dim`: missing and hidden_size {hidden} is not divisible by "
@@ -812,9 +848,16 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
         problems.append(
             f"`num_key_value_heads`: {kv_heads} does not divide num_attention_heads {heads}"
         )
-    out.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
-               vocab_size=vocab, rms_norm_eps=eps)
+    out.update(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        rms_norm_eps=eps,
+    )
     out["hidden_act"] = f.get("hidden_act", _str, default="silu")
     if nemotron and out["hidden_act"] != "silu":
         problems.append(
@@ -842,16 +885,16 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
     _parse_rope(f, out, nemotron, problems)
 
     # ---- mask token ------------------------------------------------------------------------
-    sources = [("dflash_config.mask_token_id", d.get("mask_token_id", _nonneg_int)),
-               ("mask_token_id", f.get("mask_token_id", _nonneg_int)),
-               ("pard_token", f.get("pard_token", _nonneg_int)),
-               ("dspark_noise_token_id", f.get("dspark_noise_token_id", _nonneg_int))]
+    sources = [
+        ("dflash_config.mask_token_id", d.get("mask_token_id", _nonneg_int)),
+        ("mask_token_id", f.get("mask_token_id", _nonneg_int)),
+        ("pard_token", f.get("pard_token", _nonneg_int)),
+        ("dspark_noise_token_id", f.get("dspark_noise_token_id", _nonneg_int)),
+    ]
     present = [(k, v) for k, v in sources if v is not None]
     mask = present[0][1] if present else None
     if len({v for _, v in present}) > 1:
-        problems.append(
-            "mask token ids disagree: " + ", ".join(f"`{k}` = {v}" for k, v in present)
-        )
+        problems.append("mask token ids disagree: " + ", ".join(f"`{k}` = {v}" for k, v in present))
     elif mask is None and not _declared(f, d, sources):
         problems.append(
             "`mask_token_id`: missing (expected a non-negative integer in "
@@ -862,15 +905,16 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
     out["mask_token_id"] = mask
 
     # ---- target layer ids and aux ids ------------------------------------------------------
-    id_sources = [("target_layer_ids", f.get("target_layer_ids", _id_list)),
-                  ("dflash_config.target_layer_ids", d.get("target_layer_ids", _id_list)),
-                  ("dspark_target_layer_ids", f.get("dspark_target_layer_ids", _id_list))]
+    id_sources = [
+        ("target_layer_ids", f.get("target_layer_ids", _id_list)),
+        ("dflash_config.target_layer_ids", d.get("target_layer_ids", _id_list)),
+        ("dspark_target_layer_ids", f.get("dspark_target_layer_ids", _id_list)),
+    ]
     id_present = [(k, v) for k, v in id_sources if v is not None]
     target_ids = id_present[0][1] if id_present else None
     if len({v for _, v in id_present}) > 1:
         problems.append(
-            "target layer ids disagree: "
-            + ", ".join(f"`{k}` = {list(v)}" for k, v in id_present)
+            "target layer ids disagree: " + ", ".join(f"`{k}` = {list(v)}" for k, v in id_present)
         )
         target_ids = None
     elif not id_present and not _declared(f, d, id_sources):
@@ -900,15 +944,20 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
             f"`target_layer_ids` {list(target_ids)}: id {max(target_ids)} is not below "
             f"num_target_layers {num_target}"
         )
-    out.update(target_layer_ids=target_ids, aux_hidden_state_ids=aux_ids,
-               num_target_layers=num_target)
+    out.update(
+        target_layer_ids=target_ids, aux_hidden_state_ids=aux_ids, num_target_layers=num_target
+    )
 
     # ---- anchor mode, block size, Markov head ----------------------------------------------
     if method == "dflash":
-        values = [(k, v) for k, v in (("sample_from_anchor", cfg.get("sample_from_anchor")),
-                                       ("dflash_config.sample_from_anchor",
-                                        (dcfg or {}).get("sample_from_anchor")))
-                  if v is not None]
+        values = [
+            (k, v)
+            for k, v in (
+                ("sample_from_anchor", cfg.get("sample_from_anchor")),
+                ("dflash_config.sample_from_anchor", (dcfg or {}).get("sample_from_anchor")),
+            )
+            if v is not None
+        ]
         for k, v in values:
             if v is not False:
                 problems.append(
@@ -919,24 +968,32 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
         out["sample_from_anchor"] = False
     else:
         out["sample_from_anchor"] = _sample_from_anchor(cfg, problems)
-        if nemotron and cfg.get("sample_from_anchor") is None and \
-                (dcfg or {}).get("sample_from_anchor") is None:
+        if (
+            nemotron
+            and cfg.get("sample_from_anchor") is None
+            and (dcfg or {}).get("sample_from_anchor") is None
+        ):
             warnings.append(
                 "`sample_from_anchor` is absent: the DSpark default (true, anchor layout) applies; "
                 "the published Nemotron 3.5 DSpark checkpoint says false"
             )
         bonus = f.get("dspark_bonus_anchor", _bool)
-        if bonus is not None and isinstance(cfg.get("sample_from_anchor"), bool) and \
-                bonus == cfg["sample_from_anchor"]:
+        if (
+            bonus is not None
+            and isinstance(cfg.get("sample_from_anchor"), bool)
+            and bonus == cfg["sample_from_anchor"]
+        ):
             problems.append(
                 f"`dspark_bonus_anchor` ({_show(bonus)}) contradicts `sample_from_anchor` "
                 f"({_show(cfg['sample_from_anchor'])}): the bonus-anchor layout is "
                 "sample_from_anchor=false"
             )
 
-    block_sources = [("block_size", f.get("block_size", _pos_int)),
-                     ("dflash_config.block_size", d.get("block_size", _pos_int)),
-                     ("dspark_block_size", f.get("dspark_block_size", _pos_int))]
+    block_sources = [
+        ("block_size", f.get("block_size", _pos_int)),
+        ("dflash_config.block_size", d.get("block_size", _pos_int)),
+        ("dspark_block_size", f.get("dspark_block_size", _pos_int)),
+    ]
     block_present = [(k, v) for k, v in block_sources if v is not None]
     block = block_present[0][1] if block_present else None
     if len({v for _, v in block_present}) > 1:
@@ -956,12 +1013,14 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
     markov_rank = f.get("markov_rank", _pos_int)
     if method == "dspark":
         if markov_rank is None and not f.has("markov_rank"):
-            problems.append("`markov_rank`: missing (expected a positive integer for the DSpark "
-                            "Markov head)")
+            problems.append(
+                "`markov_rank`: missing (expected a positive integer for the DSpark Markov head)"
+            )
         if nemotron:
             if markov_type is None and not f.has("markov_head_type"):
-                problems.append('`markov_head_type`: missing (the Nemotron 3.5 DSpark draft needs '
-                                '"vanilla")')
+                problems.append(
+                    '`markov_head_type`: missing (the Nemotron 3.5 DSpark draft needs "vanilla")'
+                )
             elif markov_type is not None and markov_type != "vanilla":
                 problems.append(
                     f'`markov_head_type`: the Nemotron 3.5 DSpark draft needs "vanilla", found '
@@ -972,10 +1031,17 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
     # ---- embedding / lm_head ownership -----------------------------------------------------
     out["has_embed_tokens"] = f.get("has_embed_tokens", _bool, default=False)
     out["has_lm_head"] = f.get("has_lm_head", _bool, default=False)
-    if not nemotron and out["has_embed_tokens"] and out["has_lm_head"] is False \
-            and architecture in NEMOTRON35_ARCHITECTURES:
-        missing = [k for k in ("eagle_aux_hidden_state_layer_ids", "dflash_config")
-                   if not (f.has(k) if k != "dflash_config" else isinstance(dcfg, dict))]
+    if (
+        not nemotron
+        and out["has_embed_tokens"]
+        and out["has_lm_head"] is False
+        and architecture in NEMOTRON35_ARCHITECTURES
+    ):
+        missing = [
+            k
+            for k in ("eagle_aux_hidden_state_layer_ids", "dflash_config")
+            if not (f.has(k) if k != "dflash_config" else isinstance(dcfg, dict))
+        ]
         if missing:
             warnings.append(
                 "has_embed_tokens=true / has_lm_head=false look like the Nemotron 3.5 layout but "
@@ -987,8 +1053,16 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
     _parse_quant(cfg, out, problems, warnings)
 
     # ---- cross-field checks ----------------------------------------------------------------
-    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "head_dim", "intermediate_size", "vocab_size", "aux_hidden_state_ids")
+    needed = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "vocab_size",
+        "aux_hidden_state_ids",
+    )
     if method is not None and all(out.get(k) is not None for k in needed):
         # A partial spec (some unrelated fields may be None) is enough to list the modules.
         _check_nvfp4_shapes(DraftSpec(path=None, **out), problems)
@@ -1009,9 +1083,10 @@ def _check_nvfp4_shapes(spec: DraftSpec, problems: list[str]) -> None:
     group = spec.quant_group_size or NVFP4_GROUP_SIZE
     for name, (_, in_features) in spec.linear_modules():
         if spec.is_quantized(name) and in_features % group:
-            why = {"markov_head.markov_w2": f"markov_rank {spec.markov_rank}",
-                   "fc": f"num_aux_layers x hidden = {in_features}"}.get(
-                name, f"in_features {in_features}")
+            why = {
+                "markov_head.markov_w2": f"markov_rank {spec.markov_rank}",
+                "fc": f"num_aux_layers x hidden = {in_features}",
+            }.get(name, f"in_features {in_features}")
             problems.append(
                 f"{name}: NVFP4 (not excluded by quantization_config) needs in_features to be a "
                 f"multiple of the group size {group}, but {why} is not"
@@ -1026,8 +1101,9 @@ def _declared(f: _Fields, d: _Fields, sources) -> bool:
     )
 
 
-def _parse_attention(f: _Fields, d: _Fields, out: dict, nemotron: bool, layers: int | None,
-                     problems: list[str]) -> None:
+def _parse_attention(
+    f: _Fields, d: _Fields, out: dict, nemotron: bool, layers: int | None, problems: list[str]
+) -> None:
     layer_types = f.get("layer_types", _str_list)
     if layer_types is not None:
         bad = sorted({t for t in layer_types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)})
@@ -1060,8 +1136,7 @@ def _parse_attention(f: _Fields, d: _Fields, out: dict, nemotron: bool, layers: 
             )
         if use_swa is not None and use_swa != any_sliding:
             problems.append(
-                f"`dflash_config.use_swa` is {_show(use_swa)} but `layer_types` are "
-                f"{sorted(kinds)}"
+                f"`dflash_config.use_swa` is {_show(use_swa)} but `layer_types` are {sorted(kinds)}"
             )
     out["layer_types"] = per_layer if layers is not None else None
 
@@ -1125,8 +1200,10 @@ def _parse_rope(f: _Fields, out: dict, nemotron: bool, problems: list[str]) -> N
     theta = theta_top if theta_top is not None else theta_params
     if theta is None:
         if nemotron and not f.has("rope_theta"):
-            problems.append("`rope_theta`: missing (expected a positive number; the Nemotron 3.5 "
-                            "drafts use 10000)")
+            problems.append(
+                "`rope_theta`: missing (expected a positive number; the Nemotron 3.5 "
+                "drafts use 10000)"
+            )
         theta = 1e6  # vLLM's DFlash default when a checkpoint states none
     out["rope_theta"] = theta
 
@@ -1139,8 +1216,7 @@ def _parse_rope(f: _Fields, out: dict, nemotron: bool, problems: list[str]) -> N
         s = _Fields(scaling, problems, "rope_scaling.")
         kind = s.get("rope_type", _str) or s.get("type", _str)
         if kind is None and not s.has("rope_type") and not s.has("type"):
-            problems.append(
-                '`rope_scaling.rope_type`: missing (expected a string such as "yarn")')
+            problems.append('`rope_scaling.rope_type`: missing (expected a string such as "yarn")')
         s.get("factor", _pos_float, required=kind in ("yarn", "linear", "dynamic", "llama3"))
         if kind == "yarn":
             s.get("original_max_position_embeddings", _pos_int, required=True)
@@ -1150,8 +1226,7 @@ def _parse_rope(f: _Fields, out: dict, nemotron: bool, problems: list[str]) -> N
 
 
 def _parse_quant(cfg: dict, out: dict, problems: list[str], warnings: list[str]) -> None:
-    out.update(quant_algo=None, quant_group_size=None, quant_exclude_modules=(),
-               quant_method=None)
+    out.update(quant_algo=None, quant_group_size=None, quant_exclude_modules=(), quant_method=None)
     raw = cfg.get("quantization_config")
     if raw is None:
         return
@@ -1183,9 +1258,9 @@ def _parse_quant(cfg: dict, out: dict, problems: list[str], warnings: list[str])
             for name, g in groups.items():
                 weights = g.get("weights") if isinstance(g, dict) else None
                 if isinstance(weights, dict) and weights.get("group_size") is not None:
-                    group = _Fields(weights, problems,
-                                    f"quantization_config.config_groups.{name}.weights."
-                                    ).get("group_size", _pos_int)
+                    group = _Fields(
+                        weights, problems, f"quantization_config.config_groups.{name}.weights."
+                    ).get("group_size", _pos_int)
                     break
     if algo is not None and algo.upper() in NVFP4_QUANT_ALGOS:
         if group is not None and group != NVFP4_GROUP_SIZE:
@@ -1198,11 +1273,11 @@ def _parse_quant(cfg: dict, out: dict, problems: list[str], warnings: list[str])
     ignore = q.get("ignore", _str_list)
     exclude = q.get("exclude_modules", _str_list)
     if ignore is not None and exclude is not None and set(ignore) != set(exclude):
-        problems.append(
-            f"`{where}ignore` and `{where}exclude_modules` list different modules"
-        )
+        problems.append(f"`{where}ignore` and `{where}exclude_modules` list different modules")
     patterns = tuple(exclude if exclude is not None else ignore or ())
     if "" in patterns:
-        problems.append(f"`{where}{'exclude_modules' if exclude is not None else 'ignore'}`: "
-                        "an empty pattern would exclude every module")
+        problems.append(
+            f"`{where}{'exclude_modules' if exclude is not None else 'ignore'}`: "
+            "an empty pattern would exclude every module"
+        )
     out["quant_exclude_modules"] = patterns

@@ -39,66 +39,99 @@ def add_parser(sub) -> None:
     )
     what = parser.add_argument_group("what to run")
     what.add_argument(
-        "--method", action="append", default=None, metavar="SPEC",
+        "--method",
+        action="append",
+        default=None,
+        metavar="SPEC",
         help="a method to run offline (repeatable), e.g. plain, ngram:3, dflash:DRAFT_DIR:5; "
         "default: plain + every method the tiny family has a draft for (with --model: plain)",
     )
     what.add_argument(
-        "--model", default=None,
+        "--model",
+        default=None,
         help="target model (offline); default: the tiny family's target",
     )
     what.add_argument(
-        "--server", action="append", default=None, metavar="[LABEL=]URL",
+        "--server",
+        action="append",
+        default=None,
+        metavar="[LABEL=]URL",
         help="benchmark a running server on this machine instead (repeatable, one method per "
         "server), e.g. dflash=http://127.0.0.1:8000",
     )
     what.add_argument(
-        "--prompts", default=None, metavar="FILE",
+        "--prompts",
+        default=None,
+        metavar="FILE",
         help="JSONL prompt file (see above); default: the tiny family's prompts",
     )
     what.add_argument(
-        "--num-prompts", type=int, default=None,
+        "--num-prompts",
+        type=int,
+        default=None,
         help="number of prompts (cycles through the set when larger; default: the whole set)",
     )
     what.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt (default 64)")
-    what.add_argument("--temperature", type=float, default=0.0,
-                      help="sampling temperature (default 0: greedy, also compares tokens with "
-                      "plain decoding)")
     what.add_argument(
-        "--ignore-eos", action="store_true",
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (default 0: greedy, also compares tokens with plain decoding)",
+    )
+    what.add_argument(
+        "--ignore-eos",
+        action="store_true",
         help="keep generating past end-of-sequence: every prompt gets exactly --max-tokens",
     )
 
     engine = parser.add_argument_group("offline engine")
     engine.add_argument(
-        "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="extra vllm.LLM argument (repeatable; VALUE is JSON when it parses), e.g. "
         "max_model_len=4096, tensor_parallel_size=2",
     )
     engine.add_argument("--seed", type=int, default=0, help="seed of the tiny family (default 0)")
     engine.add_argument(
-        "--family-dir", default=None,
+        "--family-dir",
+        default=None,
         help="where the tiny family is built/cached (default: $VLLM_NEMOTRON_SPEC_CACHE or "
         "~/.cache/vllm-nemotron-spec)",
     )
 
     client = parser.add_argument_group("server client")
-    client.add_argument("--max-concurrency", type=int, default=8,
-                        help="requests in flight per server (default 8)")
-    client.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds per request (default 600)")
+    client.add_argument(
+        "--max-concurrency", type=int, default=8, help="requests in flight per server (default 8)"
+    )
+    client.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds per request (default 600)"
+    )
 
     out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true",
-                     help="print one JSON object instead of a report")
-    out.add_argument("--plot", default=None, metavar="FILE.png",
-                     help="draw per-position acceptance and the acceptance-length histogram")
-    out.add_argument("--no-warmup", action="store_true",
-                     help="skip the short warm-up request before each measurement")
-    out.add_argument("--no-progress", action="store_true",
-                     help="no progress bars or status lines on stderr")
-    out.add_argument("--verbose", action="store_true",
-                     help="show vLLM's INFO logs (default: only its warnings and errors)")
+    out.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a report"
+    )
+    out.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="draw per-position acceptance and the acceptance-length histogram",
+    )
+    out.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="skip the short warm-up request before each measurement",
+    )
+    out.add_argument(
+        "--no-progress", action="store_true", help="no progress bars or status lines on stderr"
+    )
+    out.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's INFO logs (default: only its warnings and errors)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -124,8 +157,10 @@ def build_report(args) -> dict:
     from vllm_nemotron_spec.prompts import load_prompts, tiny_family_prompts
 
     if args.server and (args.method or args.model or args.engine_arg):
-        raise bench.BenchError("--server measures running servers: --method, --model and "
-                               "--engine-arg are for offline runs")
+        raise bench.BenchError(
+            "--server measures running servers: --method, --model and "
+            "--engine-arg are for offline runs"
+        )
     for name in ("num_prompts", "max_tokens", "max_concurrency"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -133,22 +168,39 @@ def build_report(args) -> dict:
     prompt_set = load_prompts(args.prompts) if args.prompts else tiny_family_prompts()
     prompts = prompt_set.take(args.num_prompts)
     progress = not args.no_progress
-    common = dict(max_tokens=args.max_tokens, temperature=args.temperature,
-                  warmup=not args.no_warmup, progress=progress)
+    common = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        warmup=not args.no_warmup,
+        progress=progress,
+    )
 
     if args.server:
         servers = [bench.parse_server_spec(s) for s in args.server]
         runs, models = bench.run_server(
-            servers, prompts, ignore_eos=args.ignore_eos, max_concurrency=args.max_concurrency,
-            timeout=args.request_timeout, **common,
+            servers,
+            prompts,
+            ignore_eos=args.ignore_eos,
+            max_concurrency=args.max_concurrency,
+            timeout=args.request_timeout,
+            **common,
         )
         return bench.make_report(
-            runs, mode="server", model=", ".join(dict.fromkeys(models.values())),
-            prompts=prompt_set, num_prompts=len(prompts), max_tokens=args.max_tokens,
-            temperature=args.temperature, ignore_eos=args.ignore_eos, platform="server",
+            runs,
+            mode="server",
+            model=", ".join(dict.fromkeys(models.values())),
+            prompts=prompt_set,
+            num_prompts=len(prompts),
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            platform="server",
             vllm_version=_server_version(servers[0]),
-            extra={"servers": [{"label": s.label, "url": s.url, "model": models[s.label]}
-                               for s in servers]},
+            extra={
+                "servers": [
+                    {"label": s.label, "url": s.url, "model": models[s.label]} for s in servers
+                ]
+            },
         )
 
     tiny = args.model is None
@@ -174,12 +226,20 @@ def build_report(args) -> dict:
         is_cpu = current_platform.is_cpu()
         kwargs = bench.engine_defaults(tiny, is_cpu)
         kwargs.update(engine_kwargs)
-        runs = bench.run_offline(methods, model, prompts, ignore_eos=args.ignore_eos,
-                                 engine_kwargs=kwargs, **common)
+        runs = bench.run_offline(
+            methods, model, prompts, ignore_eos=args.ignore_eos, engine_kwargs=kwargs, **common
+        )
     return bench.make_report(
-        runs, mode="offline", model=model, prompts=prompt_set, num_prompts=len(prompts),
-        max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
-        platform=_platform_name(current_platform), vllm_version=vllm.__version__,
+        runs,
+        mode="offline",
+        model=model,
+        prompts=prompt_set,
+        num_prompts=len(prompts),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        platform=_platform_name(current_platform),
+        vllm_version=vllm.__version__,
         extra={"engine_args": {k: v for k, v in kwargs.items() if v is not None}},
     )
 
@@ -207,7 +267,7 @@ def vllm_log_level(level: str | None):
 
 
 def _platform_name(platform) -> str:
-    """"cpu", or the accelerator's name (e.g. "NVIDIA H200")."""
+    """ "cpu", or the accelerator's name (e.g. "NVIDIA H200")."""
     if platform.is_cpu():
         return "cpu"
     try:
@@ -262,8 +322,10 @@ def run(args) -> int:
         try:
             path = plot_report(report, args.plot)
         except Exception as exc:  # noqa: BLE001 - the results are printed already
-            print(f"vllm-nemotron-spec bench: --plot {args.plot}: {type(exc).__name__}: {exc}",
-                  file=sys.stderr)
+            print(
+                f"vllm-nemotron-spec bench: --plot {args.plot}: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
             return 1
         if not args.no_progress:
             print(f"bench: wrote {path}", file=sys.stderr)

@@ -32,25 +32,34 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--methods", default=",".join(METHODS),
+        "--methods",
+        default=",".join(METHODS),
         help=f"comma-separated subset of {', '.join(METHODS)} (default: all; plain always runs "
         "first, it is the reference for the lossless check)",
     )
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts to decode (default 8)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (default 48)")
     parser.add_argument(
-        "--num-speculative-tokens", type=int, default=None,
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
         help="drafted tokens per step (default: the draft's own default)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the tiny family (default 0)")
     parser.add_argument(
-        "--family-dir", default=None,
+        "--family-dir",
+        default=None,
         help="where the tiny family is built/cached (default: $VLLM_NEMOTRON_SPEC_CACHE or "
         "~/.cache/vllm-nemotron-spec)",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a report")
-    parser.add_argument("--verbose", action="store_true",
-                        help="show vLLM's INFO logs (default: only its warnings and errors)")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a report"
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show vLLM's INFO logs (default: only its warnings and errors)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -58,13 +67,20 @@ def parse_methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)} in --methods; choose from "
-                         f"{', '.join(METHODS)}")
+        raise ValueError(
+            f"unknown method(s) {', '.join(unknown)} in --methods; choose from {', '.join(METHODS)}"
+        )
     return ["plain"] + [m for m in methods if m != "plain"]
 
 
-def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 0,
-             family_dir: str | None = None, num_speculative_tokens: int | None = None) -> dict:
+def run_demo(
+    methods: list[str],
+    num_prompts: int,
+    max_tokens: int,
+    seed: int = 0,
+    family_dir: str | None = None,
+    num_speculative_tokens: int | None = None,
+) -> dict:
     """Run the demo and return the JSON-able report (see README for the fields)."""
     import os
 
@@ -73,20 +89,22 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
 
     set_cpu_engine_defaults()
     # The family first: a --family-dir that cannot be written is refused before vLLM loads.
-    family = build_tiny_family(family_dir, seed=seed) if family_dir else ensure_tiny_family(seed=seed)
+    family = (
+        build_tiny_family(family_dir, seed=seed) if family_dir else ensure_tiny_family(seed=seed)
+    )
     # vLLM logs to stdout by default; keep stdout for the report (and --json parseable).
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     import vllm
     from vllm.platforms import current_platform
 
-    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
     from vllm_nemotron_spec.bench import family_draft
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
     from vllm_nemotron_spec.runs import generate, make_llm, release
     from vllm_nemotron_spec.tiny.corpus import sample_prompts
 
     prompts = (sample_prompts() * num_prompts)[:num_prompts]
     engine_kwargs = {}
-    if current_platform.is_cpu():
+    if current_platform.is_cpu():  # distinct prompts: nothing to reuse, only the CPU copy cost
         engine_kwargs["enable_prefix_caching"] = False
     runs, reference, drafts = [], None, {}
     for method in methods:
@@ -96,9 +114,11 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
             draft = family_draft(spec, family)
             drafts[method] = str(Path(draft).resolve())
             speculative_config = {
-                "method": spec, "model": draft,
-                "num_speculative_tokens": DraftSpec.from_pretrained(draft)
-                .resolve_num_speculative_tokens(num_speculative_tokens),
+                "method": spec,
+                "model": draft,
+                "num_speculative_tokens": DraftSpec.from_pretrained(
+                    draft
+                ).resolve_num_speculative_tokens(num_speculative_tokens),
             }
         llm = make_llm(str(family.target), speculative_config, **engine_kwargs)
         result = generate(llm, prompts, max_tokens, method)
@@ -108,23 +128,28 @@ def run_demo(methods: list[str], num_prompts: int, max_tokens: int, seed: int = 
         first_mismatch = next(
             (i for i, (a, b) in enumerate(zip(result.token_ids, reference)) if a != b), None
         )
-        runs.append({
-            "method": method,
-            "num_prompts": len(prompts),
-            "output_tokens": result.num_output_tokens,
-            "seconds": round(result.seconds, 3),
-            "tokens_per_s": round(result.tokens_per_s, 2),
-            "mean_acceptance_length": (
-                None if spec is None or result.counters.mean_acceptance_length is None
-                else round(result.counters.mean_acceptance_length, 3)
-            ),
-            "per_position_acceptance": [round(x, 3) for x in result.counters.per_position_acceptance],
-            "num_speculative_tokens": (
-                None if spec is None else len(result.counters.accepted_per_position) or None
-            ),
-            "lossless": first_mismatch is None,
-            "first_mismatching_prompt": first_mismatch,
-        })
+        runs.append(
+            {
+                "method": method,
+                "num_prompts": len(prompts),
+                "output_tokens": result.num_output_tokens,
+                "seconds": round(result.seconds, 3),
+                "tokens_per_s": round(result.tokens_per_s, 2),
+                "mean_acceptance_length": (
+                    None
+                    if spec is None or result.counters.mean_acceptance_length is None
+                    else round(result.counters.mean_acceptance_length, 3)
+                ),
+                "per_position_acceptance": [
+                    round(x, 3) for x in result.counters.per_position_acceptance
+                ],
+                "num_speculative_tokens": (
+                    None if spec is None else len(result.counters.accepted_per_position) or None
+                ),
+                "lossless": first_mismatch is None,
+                "first_mismatching_prompt": first_mismatch,
+            }
+        )
     return {
         "vllm_version": vllm.__version__,
         "platform": current_platform.device_name if not current_platform.is_cpu() else "cpu",
@@ -177,8 +202,12 @@ def run(args) -> int:
         return 2
     with vllm_log_level(None if args.verbose else "WARNING"):
         report = run_demo(
-            methods, args.num_prompts, args.max_tokens, seed=args.seed,
-            family_dir=args.family_dir, num_speculative_tokens=args.num_speculative_tokens,
+            methods,
+            args.num_prompts,
+            args.max_tokens,
+            seed=args.seed,
+            family_dir=args.family_dir,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
     if args.json:
         print(json.dumps(report))

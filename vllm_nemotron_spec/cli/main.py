@@ -24,8 +24,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, with a usage error said in one line (the usage is in --help)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} "
-                     f"--help)\n")
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog} {args.command}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        print(f"{parser.prog} {args.command}: {exc.args[0] if exc.args else 'interrupted'}",
-              file=sys.stderr)
+        print(
+            f"{parser.prog} {args.command}: {exc.args[0] if exc.args else 'interrupted'}",
+            file=sys.stderr,
+        )
         return 130
     finally:
         if previous is not None:

@@ -61,7 +61,8 @@ def add_parser(sub) -> None:
         help="rebuild even if OUTDIR already holds a matching complete family",
     )
     parser.add_argument(
-        "--trained", action="store_true",
+        "--trained",
+        action="store_true",
         help="also train the DFlash and DSpark drafts against the target (cached next to OUTDIR)",
     )
     parser.add_argument(
@@ -73,7 +74,9 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from vllm_nemotron_spec.tiny.build import build_tiny_family
 
-    family = build_tiny_family(args.outdir, seed=args.seed, force=args.force, progress=not args.quiet)
+    family = build_tiny_family(
+        args.outdir, seed=args.seed, force=args.force, progress=not args.quiet
+    )
     print(f"root:      {Path(family.root).resolve()}")
     print(f"tokenizer: {Path(family.tokenizer).resolve()}")
     print(f"target:    {Path(family.target).resolve()}")
@@ -97,6 +100,8 @@ def serve_line(target, draft) -> str:
     import shlex
 
     config = json.dumps({"method": "dflash", "model": str(Path(draft).resolve())})
-    return (f"vllm-nemotron-spec vllm serve {shlex.quote(str(Path(target).resolve()))} "
-            "--dtype float32 "
-            f"--no-enable-prefix-caching --speculative-config {shlex.quote(config)}")
+    return (
+        f"vllm-nemotron-spec vllm serve {shlex.quote(str(Path(target).resolve()))} "
+        "--dtype float32 "
+        f"--no-enable-prefix-caching --speculative-config {shlex.quote(config)}"
+    )

@@ -62,21 +62,38 @@ def add_parser(sub) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("draft", metavar="BF16_DRAFT",
-                        help="the unquantized draft checkpoint directory (config.json + "
-                             "safetensors)")
+    parser.add_argument(
+        "draft",
+        metavar="BF16_DRAFT",
+        help="the unquantized draft checkpoint directory (config.json + safetensors)",
+    )
     parser.add_argument("outdir", metavar="OUT", help="directory to write the NVFP4 draft into")
-    parser.add_argument("--engine", choices=("builtin", "modelopt"), default="builtin",
-                        help="who packs the NVFP4 weights (default: builtin; see above)")
-    parser.add_argument("--modelopt-python", metavar="PYTHON", default=None,
-                        help="--engine modelopt: the Python of an environment with "
-                             "nvidia-modelopt (default: $VLLM_NEMOTRON_SPEC_MODELOPT_PYTHON, this "
-                             "Python if it imports modelopt, else ./.venv-quantize/bin/python)")
-    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                        help="largest safetensors shard, e.g. 5GB, 500MB, 64KiB (default: 5GB)")
-    parser.add_argument("--force", action="store_true",
-                        help="replace OUT when it holds an earlier quantize output (only the "
-                             "files its .vllm-nemotron-spec-output.json lists)")
+    parser.add_argument(
+        "--engine",
+        choices=("builtin", "modelopt"),
+        default="builtin",
+        help="who packs the NVFP4 weights (default: builtin; see above)",
+    )
+    parser.add_argument(
+        "--modelopt-python",
+        metavar="PYTHON",
+        default=None,
+        help="--engine modelopt: the Python of an environment with "
+        "nvidia-modelopt (default: $VLLM_NEMOTRON_SPEC_MODELOPT_PYTHON, this "
+        "Python if it imports modelopt, else ./.venv-quantize/bin/python)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors shard, e.g. 5GB, 500MB, 64KiB (default: 5GB)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace OUT when it holds an earlier quantize output (only the "
+        "files its .vllm-nemotron-spec-output.json lists)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars or messages")
     parser.add_argument("--json", action="store_true", help="print one JSON object on success")
     parser.set_defaults(func=run)
@@ -88,8 +105,13 @@ def run(args) -> int:
 
     try:
         result = quantize_draft(
-            args.draft, args.outdir, args.engine, modelopt_python=args.modelopt_python,
-            max_shard_size=args.max_shard_size, force=args.force, progress=not args.quiet,
+            args.draft,
+            args.outdir,
+            args.engine,
+            modelopt_python=args.modelopt_python,
+            max_shard_size=args.max_shard_size,
+            force=args.force,
+            progress=not args.quiet,
         )
     except (QuantizeError, ModelOptUnavailable) as exc:
         print(f"vllm-nemotron-spec quantize: {exc}", file=sys.stderr)
@@ -107,10 +129,15 @@ def run(args) -> int:
     print(f"wrote      {result.outdir}")
     print(f"draft      {result.kind}")
     print(f"engine     {result.engine}")
-    print(f"NVFP4      {len(result.packed_modules)} modules (fc, MLP linears"
-          + (", markov_w2" if result.kind == "dspark" else "") + ")")
+    print(
+        f"NVFP4      {len(result.packed_modules)} modules (fc, MLP linears"
+        + (", markov_w2" if result.kind == "dspark" else "")
+        + ")"
+    )
     print(f"BF16       {len(result.bf16_tensors)} tensors")
-    print(f"weights    {human_bytes(result.total_bytes)} in {len(shards)} shard(s) "
-          f"(BF16 source {human_bytes(result.source_bytes)})")
+    print(
+        f"weights    {human_bytes(result.total_bytes)} in {len(shards)} shard(s) "
+        f"(BF16 source {human_bytes(result.source_bytes)})"
+    )
     print(f"check it   vllm-nemotron-spec inspect {result.outdir} --target TARGET")
     return 0

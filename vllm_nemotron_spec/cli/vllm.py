@@ -82,8 +82,10 @@ def run(args) -> int:
     try:
         import vllm  # noqa: F401
     except ImportError:
-        print("vllm-nemotron-spec vllm: vLLM is not installed: see the README's Install section",
-              file=sys.stderr)
+        print(
+            "vllm-nemotron-spec vllm: vLLM is not installed: see the README's Install section",
+            file=sys.stderr,
+        )
         return CONFIG_ERROR_EXIT
     from vllm_nemotron_spec import patches
 

@@ -337,7 +337,9 @@ if HAVE_TRITON:
                 prev_key = tl.load(keys_ptr + (key_col - B) + rows, mask=row_ok, other=0)
                 prev = _unpack_max_index(prev_key)
             else:
-                prev = _reduce_partials(prev_val_ptr, prev_idx_ptr, rows, row_ok, num_parts, PARTS_POW2)
+                prev = _reduce_partials(
+                    prev_val_ptr, prev_idx_ptr, rows, row_ok, num_parts, PARTS_POW2
+                )
             if pid_v == 0:
                 tl.store(
                     tok_ptr + rows.to(tl.int64) * stride_tok + tok_col,
@@ -375,7 +377,9 @@ if HAVE_TRITON:
             s_rows = sc_ptr + v * stride_sc
             acc = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32)
             for k0 in range(0, R // 2, BLOCK_K):
-                sbyte = tl.load(s_rows[:, None] + (k0 // 8 + gg)[None, :], mask=v_ok[:, None], other=0)
+                sbyte = tl.load(
+                    s_rows[:, None] + (k0 // 8 + gg)[None, :], mask=v_ok[:, None], other=0
+                )
                 scale = _e4m3_to_f32(sbyte, NATIVE_FP8)[:, :, None]  # [BLOCK_V, GROUPS, 1]
                 if VARIANT == 0:
                     # byte j of the chunk holds inputs 2j (low nibble) and 2j + 1 (high nibble).
@@ -396,17 +400,27 @@ if HAVE_TRITON:
                 elif VARIANT == 1:
                     # 16-bit word j of the chunk holds inputs 4j .. 4j + 3 (nibbles 0..3).
                     ww = tl.arange(0, BLOCK_K // 2)
-                    h = tl.load(w_rows[:, None] + (k0 // 2 + ww)[None, :], mask=v_ok[:, None], other=0)
+                    h = tl.load(
+                        w_rows[:, None] + (k0 // 2 + ww)[None, :], mask=v_ok[:, None], other=0
+                    )
                     h = h.to(tl.uint16, bitcast=True)
                     q0 = (((h << 9) & 0x0E00) | ((h << 12) & 0x8000)).to(tl.float16, bitcast=True)
                     q1 = (((h << 5) & 0x0E00) | ((h << 8) & 0x8000)).to(tl.float16, bitcast=True)
                     q2 = (((h << 1) & 0x0E00) | ((h << 4) & 0x8000)).to(tl.float16, bitcast=True)
                     q3 = (((h >> 3) & 0x0E00) | (h & 0x8000)).to(tl.float16, bitcast=True)
                     s16 = scale.to(tl.float16)  # exact: e4m3 values are fp16 values
-                    q0 = tl.reshape(tl.reshape(q0, [BLOCK_V, GROUPS, 4]) * s16, [BLOCK_V, BLOCK_K // 2])
-                    q1 = tl.reshape(tl.reshape(q1, [BLOCK_V, GROUPS, 4]) * s16, [BLOCK_V, BLOCK_K // 2])
-                    q2 = tl.reshape(tl.reshape(q2, [BLOCK_V, GROUPS, 4]) * s16, [BLOCK_V, BLOCK_K // 2])
-                    q3 = tl.reshape(tl.reshape(q3, [BLOCK_V, GROUPS, 4]) * s16, [BLOCK_V, BLOCK_K // 2])
+                    q0 = tl.reshape(
+                        tl.reshape(q0, [BLOCK_V, GROUPS, 4]) * s16, [BLOCK_V, BLOCK_K // 2]
+                    )
+                    q1 = tl.reshape(
+                        tl.reshape(q1, [BLOCK_V, GROUPS, 4]) * s16, [BLOCK_V, BLOCK_K // 2]
+                    )
+                    q2 = tl.reshape(
+                        tl.reshape(q2, [BLOCK_V, GROUPS, 4]) * s16, [BLOCK_V, BLOCK_K // 2]
+                    )
+                    q3 = tl.reshape(
+                        tl.reshape(q3, [BLOCK_V, GROUPS, 4]) * s16, [BLOCK_V, BLOCK_K // 2]
+                    )
                     w = k0 // 2 + ww
                     e0 = _load_emb_phase(emb_cols, row_ok, w, 0, 4, R, W1_PERMUTED)
                     e1 = _load_emb_phase(emb_cols, row_ok, w, 1, 4, R, W1_PERMUTED)
@@ -425,14 +439,17 @@ if HAVE_TRITON:
                     # first). Each 32-bit op below decodes two codes at once (fp16 pairs: bytes 0/2
                     # in the low/high half, or bytes 1/3), so phase p of word j is input 8j + p.
                     ww = tl.arange(0, BLOCK_K // 4)
-                    x = tl.load(w_rows[:, None] + (k0 // 4 + ww)[None, :], mask=v_ok[:, None], other=0)
+                    x = tl.load(
+                        w_rows[:, None] + (k0 // 4 + ww)[None, :], mask=v_ok[:, None], other=0
+                    )
                     x = x.to(tl.uint32, bitcast=True)
                     r0 = ((x << 9) & 0x0E000E00) | ((x << 12) & 0x80008000)  # inputs +0, +4
                     r1 = ((x << 5) & 0x0E000E00) | ((x << 8) & 0x80008000)  # +1, +5
                     r2 = ((x << 1) & 0x0E000E00) | ((x << 4) & 0x80008000)  # +2, +6
                     r3 = ((x >> 3) & 0x0E000E00) | (x & 0x80008000)  # +3, +7
                     s16 = tl.reshape(
-                        tl.broadcast_to(scale.to(tl.float16), [BLOCK_V, GROUPS, 2]), [BLOCK_V, BLOCK_K // 4]
+                        tl.broadcast_to(scale.to(tl.float16), [BLOCK_V, GROUPS, 2]),
+                        [BLOCK_V, BLOCK_K // 4],
                     )
                     if HOIST:
                         e0, e1, e2, e3, e4, e5, e6, e7 = f0, f1, f2, f3, f4, f5, f6, f7
@@ -461,7 +478,9 @@ if HAVE_TRITON:
             if WRITE_LOGITS:
                 out_cols = logits_ptr + rows.to(tl.int64) * stride_logits
                 tl.store(
-                    out_cols[None, :] + v[:, None], logits.to(logits_ptr.dtype.element_ty), mask=both_ok
+                    out_cols[None, :] + v[:, None],
+                    logits.to(logits_ptr.dtype.element_ty),
+                    mask=both_ok,
                 )
             tile_max = tl.max(logits, axis=0)
             tile_arg = tl.argmax(logits, axis=0, tie_break_left=True).to(tl.int32) + tile * BLOCK_V
@@ -501,7 +520,9 @@ if HAVE_TRITON:
         )
 
     @triton.jit
-    def _markov_keys_to_tokens_kernel(keys_ptr, tok_ptr, stride_tok, tok_col, B, BLOCK_B: tl.constexpr):
+    def _markov_keys_to_tokens_kernel(
+        keys_ptr, tok_ptr, stride_tok, tok_col, B, BLOCK_B: tl.constexpr
+    ):
         rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
         row_ok = rows < B
         tok = _unpack_max_index(tl.load(keys_ptr + rows, mask=row_ok, other=0))
@@ -552,7 +573,9 @@ class MarkovKernelConfig:
     programs_per_sm: int = 2
     reduction: str = "partials"  # or "atomic": see REDUCTIONS
 
-    def resolve(self, batch: int, vocab: int, rank: int, device: torch.device) -> "MarkovKernelConfig":
+    def resolve(
+        self, batch: int, vocab: int, rank: int, device: torch.device
+    ) -> "MarkovKernelConfig":
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown kernel variant {self.variant!r}; choose from {VARIANTS}")
         if self.reduction not in REDUCTIONS:
@@ -656,7 +679,9 @@ def _check_inputs(base_2d_shape, w1, w2_packed, w2_scale, w2_global, cfg: Markov
         raise RuntimeError("the fused Markov kernel needs triton")
     batch, vocab = base_2d_shape
     if w2_packed.dtype != torch.uint8 or w2_packed.dim() != 2:
-        raise TypeError(f"w2_packed must be uint8 [V, r/2], got {w2_packed.dtype} {tuple(w2_packed.shape)}")
+        raise TypeError(
+            f"w2_packed must be uint8 [V, r/2], got {w2_packed.dtype} {tuple(w2_packed.shape)}"
+        )
     v2, r_half = w2_packed.shape
     rank = 2 * r_half
     if v2 != vocab:
@@ -690,7 +715,10 @@ def _check_inputs(base_2d_shape, w1, w2_packed, w2_scale, w2_global, cfg: Markov
             f"the {cfg.variant} variant needs block_k >= {min_k} (a dot's K of 16); rank {rank} "
             f"allows at most {r_half}: use {'bf16' if r_half < 32 else 'fp16'}"
         )
-    if w2_packed.shape[0] * w2_packed.stride(0) >= 2**31 or w2_scale.shape[0] * w2_scale.stride(0) >= 2**31:
+    if (
+        w2_packed.shape[0] * w2_packed.stride(0) >= 2**31
+        or w2_scale.shape[0] * w2_scale.stride(0) >= 2**31
+    ):
         raise ValueError("markov_w2 is too large for the kernel's 32-bit offsets")
     if not torch.is_tensor(w2_global) or w2_global.numel() != 1:
         raise ValueError("w2_global must be a one-element tensor on the kernel's device")
@@ -698,7 +726,11 @@ def _check_inputs(base_2d_shape, w1, w2_packed, w2_scale, w2_global, cfg: Markov
 
 
 def _global_scale_tensor(w2_global, device) -> torch.Tensor:
-    if torch.is_tensor(w2_global) and w2_global.device == device and w2_global.dtype == torch.float32:
+    if (
+        torch.is_tensor(w2_global)
+        and w2_global.device == device
+        and w2_global.dtype == torch.float32
+    ):
         return w2_global.reshape(1)
     # A host-to-device copy: pass a device tensor to keep the call CUDA-graph capturable.
     return torch.as_tensor(w2_global, dtype=torch.float32).reshape(1).to(device)
@@ -712,7 +744,9 @@ class _Launcher:
         self.cfg = cfg = cfg0.resolve(batch, vocab, rank, device)
         self.batch, self.vocab, self.rank = batch, vocab, rank
         self.w1 = w1
-        self.w2 = w2_packed.view({"bf16": torch.uint8, "fp16": torch.int16, "fp16x2": torch.int32}[cfg.variant])
+        self.w2 = w2_packed.view(
+            {"bf16": torch.uint8, "fp16": torch.int16, "fp16x2": torch.int32}[cfg.variant]
+        )
         self.scale = w2_scale.view(torch.uint8)
         self.gs = _global_scale_tensor(w2_global, device)
         out_scale = float(bias_scale) * 16384.0  # the E2M1 decoder's 2^-14
@@ -723,7 +757,9 @@ class _Launcher:
         self.native_fp8 = _native_fp8(device)
         self.num_parts = cfg.num_programs(vocab)
         self.atomic = cfg.reduction == "atomic"
-        self.extra = {} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        self.extra = (
+            {} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        )
 
     def partials(self, device):
         return (
@@ -801,7 +837,9 @@ def markov_greedy_step(
     if base_logits.dim() != 2:
         raise ValueError(f"base_logits must be [B, V], got {tuple(base_logits.shape)}")
     batch, vocab = base_logits.shape
-    if logits_out is not None and (tuple(logits_out.shape) != (batch, vocab) or logits_out.stride(-1) != 1):
+    if logits_out is not None and (
+        tuple(logits_out.shape) != (batch, vocab) or logits_out.stride(-1) != 1
+    ):
         raise ValueError(f"logits_out must be [{batch}, {vocab}] with unit stride along V")
     if tokens_out is None:
         tokens_out = torch.empty(batch, dtype=torch.int64, device=base_logits.device)

@@ -51,7 +51,8 @@ class Nemotron35DFlashForCausalLM(DFlashQwen3ForCausalLM):
     def load_weights(self, weights):
         """vLLM's loading, after the tensor headers are checked when start-up could not."""
         return super().load_weights(
-            checked_weights(self.draft_spec, self.draft_model_config, weights))
+            checked_weights(self.draft_spec, self.draft_model_config, weights)
+        )
 
 
 def check_built_model_matches_spec(
@@ -79,8 +80,6 @@ def check_built_model_matches_spec(
         )
     causal = set(model.get_draft_attn_causal())
     if causal != {spec.causal}:
-        problems.append(
-            f"layer causality {sorted(causal)} != dflash_config.causal {spec.causal}"
-        )
+        problems.append(f"layer causality {sorted(causal)} != dflash_config.causal {spec.causal}")
     if problems:
         raise DraftSpecError(problems, source=source)

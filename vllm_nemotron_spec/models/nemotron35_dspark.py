@@ -42,12 +42,12 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 from vllm_nemotron_spec import patches
-from vllm_nemotron_spec.patches import v2_dspark_anchor_ids
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 from vllm_nemotron_spec.models.nemotron35_dflash import (
     check_built_model_matches_spec,
     draft_spec_from_vllm_config,
 )
+from vllm_nemotron_spec.patches import v2_dspark_anchor_ids
 from vllm_nemotron_spec.target_hook import checked_weights
 
 logger = logging.getLogger("vllm.nemotron_spec.dspark")  # under "vllm": printed by its handler
@@ -75,17 +75,21 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         are checked first when start-up could not."""
 
         device = self.model.markov_head.markov_w1.weight.device
-        keep = (device.type == "cuda" and os.environ.get(FUSED_MARKOV_ENV, "0") == "1"
-                and self.draft_spec.is_quantized("markov_head.markov_w2"))
+        keep = (
+            device.type == "cuda"
+            and os.environ.get(FUSED_MARKOV_ENV, "0") == "1"
+            and self.draft_spec.is_quantized("markov_head.markov_w2")
+        )
 
         def keep_markov_w2(items):
             for name, tensor in items:
                 if keep and name.startswith(_MARKOV_W2):
-                    self._packed_markov_w2[name[len(_MARKOV_W2):]] = tensor.to(device, copy=True)
+                    self._packed_markov_w2[name[len(_MARKOV_W2) :]] = tensor.to(device, copy=True)
                 yield name, tensor
 
-        return super().load_weights(keep_markov_w2(
-            checked_weights(self.draft_spec, self.draft_model_config, weights)))
+        return super().load_weights(
+            keep_markov_w2(checked_weights(self.draft_spec, self.draft_model_config, weights))
+        )
 
     def sample_sequential(self, speculator, num_reqs: int, head_hidden: torch.Tensor) -> bool:
         """vLLM 0.33 ``DSparkSpeculator`` hook: run the greedy Markov walk fused; False (nothing
@@ -102,8 +106,12 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         base = self.compute_draft_logits(hidden).view(num_reqs, n, -1)
         anchors = v2_dspark_anchor_ids.anchor_token_ids(speculator, num_reqs)
         ids = markov_walk_greedy(
-            base, anchors, self.model.markov_head.markov_w1.weight, packed["weight"],
-            packed["weight_scale"], packed["weight_scale_2"],
+            base,
+            anchors,
+            self.model.markov_head.markov_w1.weight,
+            packed["weight"],
+            packed["weight_scale"],
+            packed["weight_scale_2"],
             bias_scale=self.logits_processor.scale,
         )
         speculator.draft_tokens[:num_reqs, :n].copy_(self.map_draft_to_target(ids))

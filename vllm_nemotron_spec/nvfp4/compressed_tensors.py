@@ -189,21 +189,26 @@ class NemotronCTW4A16NvFp4Config(CompressedTensorsConfig):
             fused = {**QWEN3_FUSED_MODULES, **(self.packed_modules_mapping or {})}
             parts = layer_name.split(".")
             for start in range(len(parts)):
-                if should_ignore_layer(".".join(parts[start:]), ignore=self.ignore,
-                                       fused_mapping=fused):
+                if should_ignore_layer(
+                    ".".join(parts[start:]), ignore=self.ignore, fused_mapping=fused
+                ):
                     return None
         return super().get_scheme_dict(layer, layer_name)
 
-    def _get_scheme_from_parts(self, weight_quant, input_quant, output_quant=None, format=None,
-                               layer_name=None):
+    def _get_scheme_from_parts(
+        self, weight_quant, input_quant, output_quant=None, format=None, layer_name=None
+    ):
         from vllm.platforms import current_platform
 
-        if (current_platform.is_cpu() and input_quant is None
-                and is_nvfp4_weight_args(weight_quant)):
+        if current_platform.is_cpu() and input_quant is None and is_nvfp4_weight_args(weight_quant):
             return CompressedTensorsW4A16NvFp4Dequantized(layer_name)
-        return super()._get_scheme_from_parts(weight_quant=weight_quant, input_quant=input_quant,
-                                              output_quant=output_quant, format=format,
-                                              layer_name=layer_name)
+        return super()._get_scheme_from_parts(
+            weight_quant=weight_quant,
+            input_quant=input_quant,
+            output_quant=output_quant,
+            format=format,
+            layer_name=layer_name,
+        )
 
 
 def _is_nemotron35_draft(hf_config) -> bool:
@@ -219,15 +224,19 @@ def _shape(shape) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
 
-def _checked(weight_loader, layer_name: str | None, tensor: str, dtype, in_features: int,
-             per_input: int):
+def _checked(
+    weight_loader, layer_name: str | None, tensor: str, dtype, in_features: int, per_input: int
+):
     """vLLM's loader of ``{layer}.{tensor}``, after checking the checkpoint tensor's dtype and its
     input dimension (``in_features / per_input``)."""
 
     def load(param, loaded_weight: torch.Tensor, *args, **kwargs):
         expected_cols = in_features // per_input
-        if (loaded_weight.dtype != dtype or loaded_weight.dim() != 2
-                or loaded_weight.shape[1] != expected_cols):
+        if (
+            loaded_weight.dtype != dtype
+            or loaded_weight.dim() != 2
+            or loaded_weight.shape[1] != expected_cols
+        ):
             raise ValueError(
                 f"{layer_name}.{tensor}: found {loaded_weight.dtype} "
                 f"{_shape(loaded_weight.shape)}, expected {dtype} [rows, {expected_cols}] "
@@ -248,9 +257,15 @@ class CompressedTensorsW4A16NvFp4Dequantized(CompressedTensorsScheme):
     def get_min_capability(cls) -> int:
         return 0
 
-    def create_weights(self, layer: torch.nn.Module, output_partition_sizes: list[int],
-                       input_size_per_partition: int, params_dtype: torch.dtype,
-                       weight_loader, **kwargs):
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        output_partition_sizes: list[int],
+        input_size_per_partition: int,
+        params_dtype: torch.dtype,
+        weight_loader,
+        **kwargs,
+    ):
         if input_size_per_partition % nvfp4.GROUP_SIZE:
             raise ValueError(
                 f"{self.layer_name}: NVFP4 needs the input size per partition divisible by "
@@ -263,18 +278,32 @@ class CompressedTensorsW4A16NvFp4Dequantized(CompressedTensorsScheme):
         self.params_dtype = params_dtype
         weight = ModelWeightParameter(
             data=torch.empty(out_features, input_size_per_partition // 2, dtype=torch.uint8),
-            input_dim=1, output_dim=0,
-            weight_loader=_checked(weight_loader, self.layer_name, "weight_packed", torch.uint8,
-                                   input_size_per_partition, 2),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=_checked(
+                weight_loader,
+                self.layer_name,
+                "weight_packed",
+                torch.uint8,
+                input_size_per_partition,
+                2,
+            ),
         )
         # NaN marks "never loaded".
         scale = GroupQuantScaleParameter(
-            data=torch.full((out_features, input_size_per_partition // nvfp4.GROUP_SIZE),
-                            float("nan")).to(torch.float8_e4m3fn),
-            input_dim=1, output_dim=0,
-            weight_loader=_checked(weight_loader, self.layer_name, "weight_scale",
-                                   torch.float8_e4m3fn, input_size_per_partition,
-                                   nvfp4.GROUP_SIZE),
+            data=torch.full(
+                (out_features, input_size_per_partition // nvfp4.GROUP_SIZE), float("nan")
+            ).to(torch.float8_e4m3fn),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=_checked(
+                weight_loader,
+                self.layer_name,
+                "weight_scale",
+                torch.float8_e4m3fn,
+                input_size_per_partition,
+                nvfp4.GROUP_SIZE,
+            ),
         )
         global_scale = PerTensorScaleParameter(
             data=torch.full((len(output_partition_sizes),), float("nan"), dtype=torch.float32),
@@ -296,17 +325,23 @@ class CompressedTensorsW4A16NvFp4Dequantized(CompressedTensorsScheme):
         global_scales = layer.weight_global_scale.data.to(torch.float32)
         missing = torch.isnan(global_scales).nonzero().flatten().tolist()
         if missing:
-            raise RuntimeError(f"{self.layer_name}.weight_global_scale was never loaded for "
-                               f"shard(s) {missing} of {len(layer.logical_widths)}")
+            raise RuntimeError(
+                f"{self.layer_name}.weight_global_scale was never loaded for "
+                f"shard(s) {missing} of {len(layer.logical_widths)}"
+            )
         dense = dequantize_shards(
-            layer.weight_packed.data, layer.weight_scale.data, to_modelopt_global_scale(
-                global_scales), layer.logical_widths, dtype=self.params_dtype,
+            layer.weight_packed.data,
+            layer.weight_scale.data,
+            to_modelopt_global_scale(global_scales),
+            layer.logical_widths,
+            dtype=self.params_dtype,
         )
         del layer.weight_packed, layer.weight_scale, layer.weight_global_scale
         layer.weight = Parameter(dense, requires_grad=False)
 
-    def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply_weights(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
 
@@ -316,8 +351,16 @@ def to_modelopt_global_scale(weight_global_scale: torch.Tensor) -> torch.Tensor:
     return torch.reciprocal(weight_global_scale.to(torch.float32))
 
 
-def dequantize(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-               weight_global_scale: torch.Tensor, dtype: torch.dtype = torch.float32):
+def dequantize(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_global_scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+):
     """Dense weight of one compressed-tensors NVFP4 module (what the CPU scheme computes)."""
-    return nvfp4.dequantize(weight_packed, weight_scale,
-                            to_modelopt_global_scale(weight_global_scale).reshape(()), dtype=dtype)
+    return nvfp4.dequantize(
+        weight_packed,
+        weight_scale,
+        to_modelopt_global_scale(weight_global_scale).reshape(()),
+        dtype=dtype,
+    )

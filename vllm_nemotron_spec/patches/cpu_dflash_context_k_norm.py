@@ -33,5 +33,10 @@ def normalize_context_k_per_layer(self, all_k: torch.Tensor) -> torch.Tensor:
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
-                          lambda upstream: normalize_context_k_per_layer)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1],
+        TARGET_MODULE,
+        TARGET_CLASS,
+        TARGET_METHOD,
+        lambda upstream: normalize_context_k_per_layer,
+    )

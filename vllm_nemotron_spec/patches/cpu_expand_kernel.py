@@ -50,11 +50,17 @@ def expand_kernel_any_dtype(
     into ``output[cu[i-1]:cu[i]]``, in ``output``'s dtype."""
     cu = cu_num_tokens.to(torch.int64)
     counts = torch.diff(cu, prepend=cu.new_zeros(1))
-    values = torch.where(input_val == replace_from,
-                         torch.full_like(input_val, replace_to), input_val)
+    values = torch.where(
+        input_val == replace_from, torch.full_like(input_val, replace_to), input_val
+    )
     output[: int(cu[-1])] = values.repeat_interleave(counts).to(output.dtype)
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, None, TARGET_SYMBOL,
-                          lambda upstream: expand_kernel_any_dtype)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1],
+        TARGET_MODULE,
+        None,
+        TARGET_SYMBOL,
+        lambda upstream: expand_kernel_any_dtype,
+    )

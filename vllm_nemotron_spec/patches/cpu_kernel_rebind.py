@@ -60,5 +60,10 @@ def rebind_kernels_skipping_foreign_objects(overrides) -> None:
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, None, TARGET_SYMBOL,
-                          lambda upstream: rebind_kernels_skipping_foreign_objects)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1],
+        TARGET_MODULE,
+        None,
+        TARGET_SYMBOL,
+        lambda upstream: rebind_kernels_skipping_foreign_objects,
+    )

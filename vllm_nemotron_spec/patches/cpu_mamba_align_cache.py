@@ -57,8 +57,22 @@ POSTPROCESS_KERNEL = "postprocess_mamba_fused_kernel"
 # 1. SSD scan with the state at every chunk end
 
 
-def scan_with_chunk_states(scan, x, dt, A, B, C, chunk_size, out, *, cu_chunk_seqlens,
-                           seq_idx, initial_states=None, state_dtype=None, **kwargs):
+def scan_with_chunk_states(
+    scan,
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    out,
+    *,
+    cu_chunk_seqlens,
+    seq_idx,
+    initial_states=None,
+    state_dtype=None,
+    **kwargs,
+):
     """``scan`` (vLLM's CPU ``_mamba_chunk_scan_combined_fwd``) returning the state after every
     logical chunk (``[nchunks, heads, head_dim, d_state]``), as the Triton path does with
     ``return_intermediate_states=True``; ``out`` is filled for every token."""
@@ -70,8 +84,9 @@ def scan_with_chunk_states(scan, x, dt, A, B, C, chunk_size, out, *, cu_chunk_se
     nchunks = len(bounds) - 1
     nheads, headdim = x.shape[1], x.shape[2]
     dstate = B.shape[2]
-    chunk_states = torch.zeros(nchunks, nheads, headdim, dstate,
-                               dtype=state_dtype or x.dtype, device=x.device)
+    chunk_states = torch.zeros(
+        nchunks, nheads, headdim, dstate, dtype=state_dtype or x.dtype, device=x.device
+    )
     chunks_of: dict[int, list[int]] = {}
     for c, seq in enumerate(owners):
         chunks_of.setdefault(seq, []).append(c)
@@ -92,13 +107,22 @@ def scan_with_chunk_states(scan, x, dt, A, B, C, chunk_size, out, *, cu_chunk_se
         part_out = torch.empty((len(index), *out.shape[1:]), dtype=out.dtype)
         init = torch.stack([current[s] for s, _ in members])
         states = scan(
-            x[index].contiguous(), dt[index].contiguous(), A, B[index].contiguous(),
-            C[index].contiguous(), chunk_size, part_out,
+            x[index].contiguous(),
+            dt[index].contiguous(),
+            A,
+            B[index].contiguous(),
+            C[index].contiguous(),
+            chunk_size,
+            part_out,
             z=None if z is None else z[index].contiguous(),
-            initial_states=init, return_intermediate_states=False,
-            seq_idx=torch.arange(len(members), dtype=torch.int32), cu_seqlens=cu,
-            cu_chunk_seqlens=cu, last_chunk_indices=torch.arange(len(members), dtype=torch.int32),
-            state_dtype=torch.float32, **kwargs,
+            initial_states=init,
+            return_intermediate_states=False,
+            seq_idx=torch.arange(len(members), dtype=torch.int32),
+            cu_seqlens=cu,
+            cu_chunk_seqlens=cu,
+            last_chunk_indices=torch.arange(len(members), dtype=torch.int32),
+            state_dtype=torch.float32,
+            **kwargs,
         )
         out[index] = part_out
         for i, (s, c) in enumerate(members):
@@ -120,8 +144,17 @@ def _wrap_scan(original):
 # 2. The prefill checkpoint store
 
 
-def store_prefill_checkpoint_torch(checkpoint, chunk_idx, x, conv_state, chunk_states, ssm_state,
-                                   query_start_loc, *, state_len: int) -> None:
+def store_prefill_checkpoint_torch(
+    checkpoint,
+    chunk_idx,
+    x,
+    conv_state,
+    chunk_states,
+    ssm_state,
+    query_start_loc,
+    *,
+    state_len: int,
+) -> None:
     """``ssd_checkpoint.store_prefill_checkpoint`` in torch: for every prefill row with a
     checkpoint (offset > 0), the ``state_len`` inputs before the checkpoint go to
     ``conv_state[dst, :, :state_len]`` and the SSD state of its chunk to ``ssm_state[dst]``.
@@ -135,7 +168,7 @@ def store_prefill_checkpoint_torch(checkpoint, chunk_idx, x, conv_state, chunk_s
             continue
         dst = int(dsts[row])
         end = starts[row] + offset
-        conv_state[dst, :, :state_len] = x[:, end - state_len:end].to(conv_state.dtype)
+        conv_state[dst, :, :state_len] = x[:, end - state_len : end].to(conv_state.dtype)
         ssm_state[dst].copy_(chunk_states[sources[row]].reshape(ssm_state[dst].shape))
 
 
@@ -155,8 +188,15 @@ def _u64(value: int) -> int:
     return value & 0xFFFFFFFFFFFFFFFF
 
 
-def _copy_state_block(meta: dict, state_idx: int, row: int, src_col: int, dst_col: int,
-                      token_bias: int, dim_first: bool) -> None:
+def _copy_state_block(
+    meta: dict,
+    state_idx: int,
+    row: int,
+    src_col: int,
+    dst_col: int,
+    token_bias: int,
+    dim_first: bool,
+) -> None:
     """The Triton ``_copy_mamba_state_block`` on CPU memory: conv states (conv width > 0) shift
     their window by ``token_bias`` tokens from block column ``src_col`` to ``dst_col``; temporal
     states copy block ``src_col + token_bias`` to ``dst_col``."""
@@ -178,9 +218,11 @@ def _copy_state_block(meta: dict, state_idx: int, row: int, src_col: int, dst_co
             rows, row_stride = meta["dim_rows"][state_idx], meta["dim_row_stride"][state_idx]
             span = (rows - 1) * row_stride + width * elem
             src = np.lib.stride_tricks.as_strided(
-                _bytes_at(src_addr, span), (rows, width * elem), (row_stride, 1))
+                _bytes_at(src_addr, span), (rows, width * elem), (row_stride, 1)
+            )
             dst = np.lib.stride_tricks.as_strided(
-                _bytes_at(dst_addr, span), (rows, width * elem), (row_stride, 1))
+                _bytes_at(dst_addr, span), (rows, width * elem), (row_stride, 1)
+            )
             dst[:, : n * elem] = src[:, token_bias * elem : (token_bias + n) * elem].copy()
         else:
             token_bytes = inner * elem
@@ -190,9 +232,18 @@ def _copy_state_block(meta: dict, state_idx: int, row: int, src_col: int, dst_co
     ctypes.memmove(dst_addr, src_addr, inner * elem)
 
 
-def _layout(block_table_ptrs, block_table_stride_req, state_base_addrs, state_block_strides,
-            state_elem_sizes, state_inner_sizes, state_conv_widths, state_group_indices,
-            state_dim_row_count, state_dim_row_stride) -> dict:
+def _layout(
+    block_table_ptrs,
+    block_table_stride_req,
+    state_base_addrs,
+    state_block_strides,
+    state_elem_sizes,
+    state_inner_sizes,
+    state_conv_widths,
+    state_group_indices,
+    state_dim_row_count,
+    state_dim_row_stride,
+) -> dict:
     return {
         "tables": [_u64(p) for p in block_table_ptrs.tolist()],
         "stride": int(block_table_stride_req),
@@ -215,18 +266,40 @@ def _rows(num_reqs: int, idx_mapping, has_idx_mapping: bool) -> list[tuple[int, 
 
 
 def precopy_mamba_align_cpu(
-    mamba_state_idx_ptr, src_col_ptr, token_bias_ptr, block_table_ptrs_ptr,
-    block_table_stride_req, state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr,
-    state_inner_sizes_ptr, state_conv_widths_ptr, state_group_indices_ptr,
-    state_dim_row_count_ptr, state_dim_row_stride_ptr, idx_mapping_ptr, num_reqs,
-    COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=True, TEMPORAL_TILES=1,
+    mamba_state_idx_ptr,
+    src_col_ptr,
+    token_bias_ptr,
+    block_table_ptrs_ptr,
+    block_table_stride_req,
+    state_base_addrs_ptr,
+    state_block_strides_ptr,
+    state_elem_sizes_ptr,
+    state_inner_sizes_ptr,
+    state_conv_widths_ptr,
+    state_group_indices_ptr,
+    state_dim_row_count_ptr,
+    state_dim_row_stride_ptr,
+    idx_mapping_ptr,
+    num_reqs,
+    COPY_BLOCK_SIZE=None,
+    CONV_STATE_DIM_FIRST=False,
+    HAS_IDX_MAPPING=True,
+    TEMPORAL_TILES=1,
 ):
     """``precopy_mamba_align_fused_kernel`` on CPU: copy each request's running state from its
     previous block column into the new one before the forward pass."""
-    meta = _layout(block_table_ptrs_ptr, block_table_stride_req, state_base_addrs_ptr,
-                   state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr,
-                   state_conv_widths_ptr, state_group_indices_ptr, state_dim_row_count_ptr,
-                   state_dim_row_stride_ptr)
+    meta = _layout(
+        block_table_ptrs_ptr,
+        block_table_stride_req,
+        state_base_addrs_ptr,
+        state_block_strides_ptr,
+        state_elem_sizes_ptr,
+        state_inner_sizes_ptr,
+        state_conv_widths_ptr,
+        state_group_indices_ptr,
+        state_dim_row_count_ptr,
+        state_dim_row_stride_ptr,
+    )
     src_cols, dst_cols = src_col_ptr.tolist(), mamba_state_idx_ptr.tolist()
     biases = token_bias_ptr.tolist()
     for _, req in _rows(int(num_reqs), idx_mapping_ptr, HAS_IDX_MAPPING):
@@ -238,21 +311,46 @@ def precopy_mamba_align_cpu(
 
 
 def postprocess_mamba_cpu(
-    num_accepted_tokens_ptr, mamba_state_idx_ptr, num_scheduled_tokens_ptr,
-    num_computed_tokens_ptr, num_draft_tokens_ptr, block_table_ptrs_ptr, block_table_stride_req,
-    state_base_addrs_ptr, state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr,
-    state_conv_widths_ptr, state_group_indices_ptr, state_dim_row_count_ptr,
-    state_dim_row_stride_ptr, num_accepted_tokens_out_ptr, idx_mapping_ptr, num_reqs,
-    block_size, COPY_BLOCK_SIZE=None, CONV_STATE_DIM_FIRST=False, HAS_IDX_MAPPING=False,
-    PRECOMPUTED_NEW_COMPUTED=False, TEMPORAL_TILES=1,
+    num_accepted_tokens_ptr,
+    mamba_state_idx_ptr,
+    num_scheduled_tokens_ptr,
+    num_computed_tokens_ptr,
+    num_draft_tokens_ptr,
+    block_table_ptrs_ptr,
+    block_table_stride_req,
+    state_base_addrs_ptr,
+    state_block_strides_ptr,
+    state_elem_sizes_ptr,
+    state_inner_sizes_ptr,
+    state_conv_widths_ptr,
+    state_group_indices_ptr,
+    state_dim_row_count_ptr,
+    state_dim_row_stride_ptr,
+    num_accepted_tokens_out_ptr,
+    idx_mapping_ptr,
+    num_reqs,
+    block_size,
+    COPY_BLOCK_SIZE=None,
+    CONV_STATE_DIM_FIRST=False,
+    HAS_IDX_MAPPING=False,
+    PRECOMPUTED_NEW_COMPUTED=False,
+    TEMPORAL_TILES=1,
 ):
     """``postprocess_mamba_fused_kernel`` on CPU: after verification, save the state of the
     last block-aligned accepted position into its block (and reset the accepted count to 1 when
     that is the running block)."""
-    meta = _layout(block_table_ptrs_ptr, block_table_stride_req, state_base_addrs_ptr,
-                   state_block_strides_ptr, state_elem_sizes_ptr, state_inner_sizes_ptr,
-                   state_conv_widths_ptr, state_group_indices_ptr, state_dim_row_count_ptr,
-                   state_dim_row_stride_ptr)
+    meta = _layout(
+        block_table_ptrs_ptr,
+        block_table_stride_req,
+        state_base_addrs_ptr,
+        state_block_strides_ptr,
+        state_elem_sizes_ptr,
+        state_inner_sizes_ptr,
+        state_conv_widths_ptr,
+        state_group_indices_ptr,
+        state_dim_row_count_ptr,
+        state_dim_row_stride_ptr,
+    )
     accepted = num_accepted_tokens_ptr.tolist()
     state_idx_of = mamba_state_idx_ptr.tolist()
     computed = num_computed_tokens_ptr.tolist()
@@ -297,12 +395,27 @@ def install() -> None:
     """Install the four CPU paths."""
     name = __name__.rsplit(".", 1)[-1]
     replace_when_imported(name, SSD_MODULE, None, SSD_SYMBOL, _wrap_scan)
-    replace_when_imported(name, MIXER_MODULE, None, CHECKPOINT_SYMBOL,
-                          lambda _original: _plain(store_prefill_checkpoint_torch))
-    replace_when_imported(name, MAMBA_UTILS_MODULE, None, PRECOPY_KERNEL,
-                          lambda original: _CpuKernel(precopy_mamba_align_cpu, original))
-    replace_when_imported(name, MAMBA_UTILS_MODULE, None, POSTPROCESS_KERNEL,
-                          lambda original: _CpuKernel(postprocess_mamba_cpu, original))
+    replace_when_imported(
+        name,
+        MIXER_MODULE,
+        None,
+        CHECKPOINT_SYMBOL,
+        lambda _original: _plain(store_prefill_checkpoint_torch),
+    )
+    replace_when_imported(
+        name,
+        MAMBA_UTILS_MODULE,
+        None,
+        PRECOPY_KERNEL,
+        lambda original: _CpuKernel(precopy_mamba_align_cpu, original),
+    )
+    replace_when_imported(
+        name,
+        MAMBA_UTILS_MODULE,
+        None,
+        POSTPROCESS_KERNEL,
+        lambda original: _CpuKernel(postprocess_mamba_cpu, original),
+    )
 
 
 def _plain(fn):

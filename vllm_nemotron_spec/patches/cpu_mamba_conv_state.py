@@ -56,7 +56,9 @@ def conv1d_update_with_accepted_tokens(
         tokens_first = (x.unsqueeze(-1) if x.dim() == 2 else x).transpose(1, 2)  # [b, n, dim]
     result = torch.empty_like(x) if out is None else out
     result_tokens_first = (
-        result if varlen else (result.unsqueeze(-1) if result.dim() == 2 else result).transpose(1, 2)
+        result
+        if varlen
+        else (result.unsqueeze(-1) if result.dim() == 2 else result).transpose(1, 2)
     )
     indices = conv_state_indices if conv_state_indices.dim() == 1 else conv_state_indices[:, 0]
     w = weight.unsqueeze(1)
@@ -75,27 +77,51 @@ def conv1d_update_with_accepted_tokens(
             y = F.silu(y)
         new_state = torch.cat([history[:, 1:], seq.t().to(conv_state.dtype)], dim=-1)
         conv_state[slot, :, : new_state.shape[-1]] = new_state
-        target = result_tokens_first[spans[b][0] : spans[b][1]] if varlen else result_tokens_first[b]
+        target = (
+            result_tokens_first[spans[b][0] : spans[b][1]] if varlen else result_tokens_first[b]
+        )
         target.copy_(y.t().to(result.dtype))
     return result
 
 
 def _wrap(original):
-    def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None,
-                             conv_state_indices=None, num_accepted_tokens=None,
-                             query_start_loc=None, **kwargs):
+    def causal_conv1d_update(
+        x,
+        conv_state,
+        weight,
+        bias=None,
+        activation=None,
+        conv_state_indices=None,
+        num_accepted_tokens=None,
+        query_start_loc=None,
+        **kwargs,
+    ):
         if num_accepted_tokens is None:
-            return original(x, conv_state, weight, bias, activation,
-                            conv_state_indices=conv_state_indices,
-                            query_start_loc=query_start_loc, **kwargs)
+            return original(
+                x,
+                conv_state,
+                weight,
+                bias,
+                activation,
+                conv_state_indices=conv_state_indices,
+                query_start_loc=query_start_loc,
+                **kwargs,
+            )
         if kwargs.get("block_idx_last_scheduled_token") is not None:
             raise NotImplementedError(
                 "vllm-nemotron-spec: Mamba prefix caching with speculative decoding is not "
                 "supported on CPU; start the engine with enable_prefix_caching=False"
             )
         return conv1d_update_with_accepted_tokens(
-            x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
-            query_start_loc=query_start_loc, null_block_id=kwargs.get("null_block_id"),
+            x,
+            conv_state,
+            weight,
+            bias,
+            activation,
+            conv_state_indices,
+            num_accepted_tokens,
+            query_start_loc=query_start_loc,
+            null_block_id=kwargs.get("null_block_id"),
             out=kwargs.get("out"),
         )
 

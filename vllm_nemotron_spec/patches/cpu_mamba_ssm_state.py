@@ -74,7 +74,10 @@ def ssm_update_with_accepted_tokens(
                 delta = F.softplus(delta)
             b_t = B[t].float().repeat_interleave(heads_per_group, 0)[:, None, :]
             c_t = C[t].float().repeat_interleave(heads_per_group, 0)[:, None, :]
-            s = s * torch.exp(A32 * delta[..., None]) + b_t * delta[..., None] * x[t].float()[..., None]
+            s = (
+                s * torch.exp(A32 * delta[..., None])
+                + b_t * delta[..., None] * x[t].float()[..., None]
+            )
             y = (s * c_t).sum(-1)
             if D is not None:
                 y = y + D.float() * x[t].float()
@@ -87,25 +90,70 @@ def ssm_update_with_accepted_tokens(
 
 
 def _wrap(original_call):
-    def __call__(self, state, x, dt, A, B, C, D, dt_bias, z=None, dt_softplus=False,
-                 state_batch_indices=None, dst_state_batch_indices=None, null_block_id=0,
-                 out=None, num_accepted_tokens=None, cu_seqlens=None, is_blackwell=False):
+    def __call__(
+        self,
+        state,
+        x,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        dt_bias,
+        z=None,
+        dt_softplus=False,
+        state_batch_indices=None,
+        dst_state_batch_indices=None,
+        null_block_id=0,
+        out=None,
+        num_accepted_tokens=None,
+        cu_seqlens=None,
+        is_blackwell=False,
+    ):
         if num_accepted_tokens is None or cu_seqlens is None or state_batch_indices is None:
             return original_call(
-                self, state, x, dt, A, B, C, D, dt_bias, z=z, dt_softplus=dt_softplus,
+                self,
+                state,
+                x,
+                dt,
+                A,
+                B,
+                C,
+                D,
+                dt_bias,
+                z=z,
+                dt_softplus=dt_softplus,
                 state_batch_indices=state_batch_indices,
-                dst_state_batch_indices=dst_state_batch_indices, null_block_id=null_block_id,
-                out=out, num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
+                dst_state_batch_indices=dst_state_batch_indices,
+                null_block_id=null_block_id,
+                out=out,
+                num_accepted_tokens=num_accepted_tokens,
+                cu_seqlens=cu_seqlens,
                 is_blackwell=is_blackwell,
             )
         ssm_update_with_accepted_tokens(
-            state, x, dt, A, B, C, D, dt_bias, z, dt_softplus, state_batch_indices,
-            dst_state_batch_indices, null_block_id, out, num_accepted_tokens, cu_seqlens,
+            state,
+            x,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            dt_bias,
+            z,
+            dt_softplus,
+            state_batch_indices,
+            dst_state_batch_indices,
+            null_block_id,
+            out,
+            num_accepted_tokens,
+            cu_seqlens,
         )
 
     return __call__
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, "__call__",
-                          _wrap)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, "__call__", _wrap
+    )

@@ -41,8 +41,12 @@ def _release_without_dispatch(original):
         tensor = getattr(self, "handler_tensor", None)
         if tensor is None:
             return
-        if (type(tensor) is not torch.Tensor or tensor.dtype != torch.int64
-                or tensor.device.type != "cpu" or tensor.numel() != 1):
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.dtype != torch.int64
+            or tensor.device.type != "cpu"
+            or tensor.numel() != 1
+        ):
             return original(self)
         self.dtor(handle_of(tensor))
 
@@ -50,5 +54,10 @@ def _release_without_dispatch(original):
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, "__del__",
-                          _release_without_dispatch)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1],
+        TARGET_MODULE,
+        TARGET_CLASS,
+        "__del__",
+        _release_without_dispatch,
+    )

@@ -64,5 +64,10 @@ def _sample_tokens_sparing_discarded_generators(original):
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
-                          _sample_tokens_sparing_discarded_generators)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1],
+        TARGET_MODULE,
+        TARGET_CLASS,
+        TARGET_METHOD,
+        _sample_tokens_sparing_discarded_generators,
+    )

@@ -28,5 +28,6 @@ def _draft_group_warning(original):
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, None, TARGET_SYMBOL,
-                          _draft_group_warning)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1], TARGET_MODULE, None, TARGET_SYMBOL, _draft_group_warning
+    )

@@ -54,7 +54,6 @@ import inspect
 import textwrap
 from typing import Any, Callable
 
-
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_CLASS = "Scheduler"
 TARGET_METHOD = "schedule"
@@ -157,5 +156,10 @@ def _schedule_with_rewrite(original: Callable) -> Callable:
 def install() -> None:
     from vllm_nemotron_spec.patches import replace_when_imported
 
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, TARGET_METHOD,
-                          _schedule_with_rewrite)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1],
+        TARGET_MODULE,
+        TARGET_CLASS,
+        TARGET_METHOD,
+        _schedule_with_rewrite,
+    )

@@ -58,7 +58,8 @@ def _wrap(original):
 
             init_logger(LOGGER_NAME).info(
                 "nemotron-spec: %s draft (Nemotron 3.5): prefix-cache hits keep their trailing "
-                "block (the draft's KV at a position needs no later token)", self.method,
+                "block (the draft's KV at a position needs no later token)",
+                self.method,
             )
         return False
 
@@ -66,5 +67,6 @@ def _wrap(original):
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, TARGET_SYMBOL,
-                          _wrap)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1], TARGET_MODULE, TARGET_CLASS, TARGET_SYMBOL, _wrap
+    )

@@ -31,25 +31,33 @@ NO_ROLLBACK_BACKENDS = ("lm-format-enforcer",)
 
 
 def refusal(backend: str, method: str | None) -> str:
-    return (f"structured_outputs: the structured-outputs backend {backend!r} "
-            f"(--structured-outputs-config.backend) cannot roll back rejected draft tokens, so it "
-            f"cannot guide speculative decoding ({method or 'speculative'} drafts, "
-            "--speculative-config); start the server with backend xgrammar, guidance, outlines "
-            "or auto")
+    return (
+        f"structured_outputs: the structured-outputs backend {backend!r} "
+        f"(--structured-outputs-config.backend) cannot roll back rejected draft tokens, so it "
+        f"cannot guide speculative decoding ({method or 'speculative'} drafts, "
+        "--speculative-config); start the server with backend xgrammar, guidance, outlines "
+        "or auto"
+    )
 
 
 def check(params, speculative_config, structured_outputs_config) -> None:
     """Raise ``VLLMValidationError`` for a guided request the backend cannot serve under
     speculative decoding."""
-    if (params.structured_outputs is None or speculative_config is None
-            or structured_outputs_config is None or not _routed(speculative_config)):
+    if (
+        params.structured_outputs is None
+        or speculative_config is None
+        or structured_outputs_config is None
+        or not _routed(speculative_config)
+    ):
         return
     backend = getattr(structured_outputs_config, "backend", None)
     if backend in NO_ROLLBACK_BACKENDS:
         from vllm.exceptions import VLLMValidationError
 
-        raise VLLMValidationError(refusal(backend, getattr(speculative_config, "method", None)),
-                                  parameter="structured_outputs")
+        raise VLLMValidationError(
+            refusal(backend, getattr(speculative_config, "method", None)),
+            parameter="structured_outputs",
+        )
 
 
 def _routed(speculative_config) -> bool:
@@ -76,5 +84,6 @@ def make_verify(upstream):
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, "SamplingParams", "verify",
-                          make_verify)
+    replace_when_imported(
+        __name__.rsplit(".", 1)[-1], TARGET_MODULE, "SamplingParams", "verify", make_verify
+    )

@@ -91,8 +91,12 @@ def _input_fits(original):
 
 
 PATCHES = (
-    ("vllm.config.vllm", "VllmConfig", "_get_v1_model_runner_unsupported_features",
-     _unsupported_features),
+    (
+        "vllm.config.vllm",
+        "VllmConfig",
+        "_get_v1_model_runner_unsupported_features",
+        _unsupported_features,
+    ),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "__init__", _runner_init),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_input_fits_in_drafter", _input_fits),
 )

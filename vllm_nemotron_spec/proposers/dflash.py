@@ -63,8 +63,12 @@ def slots_from_block_table(
 SAMPLING_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
 
 
-def resample_seeded_rows(ids: torch.Tensor, probs: torch.Tensor, sampling_metadata: SamplingMetadata,
-                         use_fp64_gumbel: bool = False) -> torch.Tensor:
+def resample_seeded_rows(
+    ids: torch.Tensor,
+    probs: torch.Tensor,
+    sampling_metadata: SamplingMetadata,
+    use_fp64_gumbel: bool = False,
+) -> torch.Tensor:
     """``ids`` with the rows of seeded requests re-drawn from ``probs`` with each request's own
     generator (exponential-race sampling, as vLLM draws them).
 
@@ -80,7 +84,8 @@ def resample_seeded_rows(ids: torch.Tensor, probs: torch.Tensor, sampling_metada
     for req, generator in generators.items():
         rows = slice(req * rows_per_request, (req + 1) * rows_per_request)
         q = empty_exponential_noise_like(probs[rows], use_fp64_gumbel).exponential_(
-            generator=generator)
+            generator=generator
+        )
         drawn = sample_with_exponential_noise(probs[rows].clone(), q).to(ids.dtype)
         # A greedy request keeps its argmax; chosen on the device (no host sync per request).
         ids[rows] = torch.where(temperature[req] < SAMPLING_EPS, ids[rows], drawn)
@@ -133,7 +138,8 @@ class Nemotron35DFlashProposer(DFlashProposer):
     ) -> None:
         self.validate_same_kv_cache_group(kv_cache_config)
         all_attn_layers = get_layers_from_vllm_config(
-            self.vllm_config, AttentionLayerBase  # type: ignore[type-abstract]
+            self.vllm_config,
+            AttentionLayerBase,  # type: ignore[type-abstract]
         )
         self._layer_gid = {
             name: gid
@@ -180,18 +186,21 @@ class Nemotron35DFlashProposer(DFlashProposer):
             logger.info(
                 "nemotron-spec: the %d draft attention layers sit in %d KV-cache groups %s; "
                 "drafting with per-group attention metadata and slot mappings",
-                len(self._layer_gid), len(gids), gids,
+                len(self._layer_gid),
+                len(gids),
+                gids,
             )
 
     def _group_block_size(self, gid: int) -> int:
         return self.runner.input_batch.block_table[gid].block_size
 
-    def _fill_extra_group_slots(self, batch_size: int, num_context: int, num_query: int,
-                                cad: CommonAttentionMetadata) -> None:
+    def _fill_extra_group_slots(
+        self, batch_size: int, num_context: int, num_query: int, cad: CommonAttentionMetadata
+    ) -> None:
         """Slot mappings of the context and query tokens in every non-primary group."""
         ctx_req = torch.repeat_interleave(
             torch.arange(batch_size, device=self.device),
-            cad.query_start_loc[1: batch_size + 1] - cad.query_start_loc[:batch_size],
+            cad.query_start_loc[1 : batch_size + 1] - cad.query_start_loc[:batch_size],
             output_size=num_context,
         )
         query_req = torch.arange(batch_size, device=self.device).repeat_interleave(
@@ -311,7 +320,8 @@ class Nemotron35DFlashProposer(DFlashProposer):
         for layer in self.model.model.layers:
             gid = self._layer_gid[layer.self_attn.attn.layer_name]
             out.append(
-                primary if gid == self.kv_cache_gid
+                primary
+                if gid == self.kv_cache_gid
                 else self._group_context_slots[gid][:num_context]
             )
         return out

@@ -87,18 +87,17 @@ class Nemotron35DSparkProposer(Nemotron35DFlashProposer):
         gamma = self.num_speculative_tokens
         batch_size = hidden_states.shape[0] // gamma
         base = self.model.compute_draft_logits(hidden_states).view(batch_size, gamma, -1)
-        probabilistic = (
-            self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
-        )
+        probabilistic = self._enable_probabilistic_draft_probs and not sampling_metadata.all_greedy
         if probabilistic:
+
             def step(logits):
                 return self._sample_from_logits(logits, sampling_metadata)
         else:
+
             def step(logits):
                 return logits.argmax(dim=-1), None
-        ids, probs = markov_walk(
-            self.model, base, self._anchor_token_ids[:batch_size], step
-        )
+
+        ids, probs = markov_walk(self.model, base, self._anchor_token_ids[:batch_size], step)
         ids = self.model.map_draft_to_target(ids)
         if not probabilistic:
             return ids.reshape(-1), None

@@ -29,15 +29,16 @@ class BuiltinEngine:
         import torch
         from tqdm import tqdm
 
-        from vllm_nemotron_spec.nvfp4 import format as nvfp4
         from vllm_nemotron_spec._torch import torch_threads
+        from vllm_nemotron_spec.nvfp4 import format as nvfp4
 
         out: dict[str, torch.Tensor] = {}
         # One intra-op thread: the packer's elementwise ops gain nothing from more, and on a busy
         # machine two threads ran ~30x slower (the result does not depend on the thread count).
         with torch_threads(1):
-            for module in tqdm(modules, desc="packing NVFP4 (builtin)", unit="module",
-                               disable=not progress):
+            for module in tqdm(
+                modules, desc="packing NVFP4 (builtin)", unit="module", disable=not progress
+            ):
                 weight = tensors[f"{module}.weight"].to(torch.bfloat16).to(torch.float32)
                 out.update(nvfp4.quantize(weight).tensors(module))
         return out

@@ -38,8 +38,12 @@ from vllm_nemotron_spec.quantize import ENGINES
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-SKIPPED_FILES = ("config.json", "hf_quant_config.json", "model.safetensors.index.json",
-                 "pytorch_model.bin.index.json")
+SKIPPED_FILES = (
+    "config.json",
+    "hf_quant_config.json",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 
 
 class QuantizeError(ValueError):
@@ -52,8 +56,11 @@ class QuantizeError(ValueError):
         if len(self.problems) == 1:
             message = head + self.problems[0]
         else:
-            message = head + f"{len(self.problems)} problems:\n" + "\n".join(
-                f"  - {p}" for p in self.problems)
+            message = (
+                head
+                + f"{len(self.problems)} problems:\n"
+                + "\n".join(f"  - {p}" for p in self.problems)
+            )
         super().__init__(message)
 
 
@@ -155,7 +162,7 @@ def load_source(path: str | Path) -> SourceDraft:
     expected = expected_tensors(spec)
     tensors: dict[str, torch.Tensor] = {}
     for key, value in raw.items():
-        name = key[len("model."):] if key.startswith("model.") and key not in expected else key
+        name = key[len("model.") :] if key.startswith("model.") and key not in expected else key
         if name in tensors:
             problems.append(f"tensor {name} is stored twice (as {name} and model.{name})")
             continue
@@ -176,24 +183,29 @@ def load_source(path: str | Path) -> SourceDraft:
         if not value.is_floating_point():
             problems.append(f"tensor {name}: {value.dtype}, expected an unquantized float tensor")
         elif tuple(value.shape) != shape:
-            problems.append(f"tensor {name}: shape {list(value.shape)}, the config implies "
-                            f"{list(shape)}")
+            problems.append(
+                f"tensor {name}: shape {list(value.shape)}, the config implies {list(shape)}"
+            )
         elif not bool(torch.isfinite(value).all()):
             problems.append(f"tensor {name}: contains inf / nan")
     for module in nvfp4_modules(spec):
         shape = expected[f"{module}.weight"]
         if shape[1] % 16:
-            problems.append(f"{module}: NVFP4 needs in_features divisible by 16, logical shape "
-                            f"{list(shape)}")
+            problems.append(
+                f"{module}: NVFP4 needs in_features divisible by 16, logical shape {list(shape)}"
+            )
     if problems:
         raise QuantizeError(problems, source=str(path))
     non_bf16 = sorted({str(v.dtype).replace("torch.", "") for v in tensors.values()} - {"bfloat16"})
     if non_bf16:
-        warnings.append(f"tensors stored as {', '.join(non_bf16)} are rounded to bfloat16 (the "
-                        "packed modules are quantized from their bfloat16 values, as ModelOpt's "
-                        "export does)")
+        warnings.append(
+            f"tensors stored as {', '.join(non_bf16)} are rounded to bfloat16 (the "
+            "packed modules are quantized from their bfloat16 values, as ModelOpt's "
+            "export does)"
+        )
     extra = [
-        p for p in sorted(path.iterdir())
+        p
+        for p in sorted(path.iterdir())
         if p.is_file() and p.name not in SKIPPED_FILES and not p.name.endswith(WEIGHT_FILE_SUFFIXES)
     ]
     return SourceDraft(path, config, spec, spec.method, tensors, extra, warnings)
@@ -227,8 +239,9 @@ def check_configs_match_layout(config: dict, packed: list[str], spec) -> None:
     from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 
     out_spec = DraftSpec.from_config(config)
-    wrong = [name for name, _ in spec.linear_modules()
-             if out_spec.is_quantized(name) != (name in packed)]
+    wrong = [
+        name for name, _ in spec.linear_modules() if out_spec.is_quantized(name) != (name in packed)
+    ]
     if wrong:
         raise AssertionError(f"quantization_config and the packed tensors disagree on {wrong}")
 
@@ -275,8 +288,9 @@ def quantize_draft(
     max_bytes = parse_size(max_shard_size)
     source_path = Path(source_path).expanduser()
     try:
-        outdir = check_output_dir(outdir, recognised=manifest_files(), sources=[source_path],
-                                  option="--force")
+        outdir = check_output_dir(
+            outdir, recognised=manifest_files(), sources=[source_path], option="--force"
+        )
     except OutputError as exc:
         raise QuantizeError(str(exc)) from None
     if not force and outdir.exists() and any(outdir.iterdir()):
@@ -289,8 +303,11 @@ def quantize_draft(
         _say(progress, f"warning: {w}")
     spec = source.spec
     modules = nvfp4_modules(spec)
-    _say(progress, f"{source.kind} draft {source.path}: {len(source.tensors)} tensors, "
-                   f"{len(modules)} NVFP4 modules; engine {eng.describe()}")
+    _say(
+        progress,
+        f"{source.kind} draft {source.path}: {len(source.tensors)} tensors, "
+        f"{len(modules)} NVFP4 modules; engine {eng.describe()}",
+    )
 
     bf16 = {k: v.to(torch.bfloat16) for k, v in source.tensors.items()}
     packed = eng.pack(bf16, modules, progress=progress)
@@ -303,8 +320,9 @@ def quantize_draft(
     check_configs_match_layout(config, modules, spec)
 
     with atomic_output_dir(outdir) as tmp:
-        files = write_shards(tensors, tmp, max_shard_bytes=max_bytes, metadata={"format": "pt"},
-                             progress=progress)
+        files = write_shards(
+            tensors, tmp, max_shard_bytes=max_bytes, metadata={"format": "pt"}, progress=progress
+        )
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "hf_quant_config.json", hf_quant)
         for f in source.extra_files:
@@ -320,8 +338,9 @@ def quantize_draft(
         engine_info=eng.info(),
         packed_modules=modules,
         bf16_tensors=sorted(k for k in bf16 if k not in packed_weights),
-        files=sorted(files + ["config.json", "hf_quant_config.json"]
-                     + [f.name for f in source.extra_files]),
+        files=sorted(
+            files + ["config.json", "hf_quant_config.json"] + [f.name for f in source.extra_files]
+        ),
         total_bytes=total,
         source_bytes=source_bytes,
         warnings=list(source.warnings),
@@ -335,8 +354,10 @@ def _check_written(directory: Path) -> None:
 
     report = inspect_checkpoint(str(directory))
     if report["problems"]:
-        raise AssertionError("the written checkpoint fails inspect:\n" + "\n".join(
-            f"  - {p}" for p in report["problems"]))
+        raise AssertionError(
+            "the written checkpoint fails inspect:\n"
+            + "\n".join(f"  - {p}" for p in report["problems"])
+        )
 
 
 def _write_json(path: Path, obj) -> None:
@@ -353,4 +374,4 @@ def human_bytes(n: int) -> str:
         return "0 B"
     units = ["B", "KiB", "MiB", "GiB", "TiB"]
     k = min(int(math.log(n, 1024)), len(units) - 1)
-    return f"{n / 1024 ** k:.1f} {units[k]}" if k else f"{n} B"
+    return f"{n / 1024**k:.1f} {units[k]}" if k else f"{n} B"

@@ -179,8 +179,10 @@ def read_tensors_file(path: str | Path) -> dict:
 
 
 def modelopt_importable() -> bool:
-    return (importlib.util.find_spec("modelopt") is not None
-            and importlib.util.find_spec("transformers") is not None)
+    return (
+        importlib.util.find_spec("modelopt") is not None
+        and importlib.util.find_spec("transformers") is not None
+    )
 
 
 def default_python() -> Path | None:
@@ -212,9 +214,7 @@ def resolve_engine(python: str | None = None) -> "ModelOptEngine":
 def _worker_env() -> dict:
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (package_root, env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     return env
@@ -248,8 +248,9 @@ class ModelOptEngine:
 
             return modelopt.__version__
         code = "import modelopt, transformers, torch, safetensors; print(modelopt.__version__)"
-        proc = subprocess.run([str(self.python), "-c", code], capture_output=True, text=True,
-                              env=_worker_env())
+        proc = subprocess.run(
+            [str(self.python), "-c", code], capture_output=True, text=True, env=_worker_env()
+        )
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
             raise ModelOptUnavailable(
@@ -274,17 +275,29 @@ class ModelOptEngine:
                     stack.enter_context(contextlib.redirect_stdout(sink))
                     info = export_with_modelopt(tensors, modules, work / EXPORT_DIR)
             else:
-                write_shards(dict(sorted(tensors.items())), work, max_shard_bytes=2**62,
-                             progress=progress, desc="handing the draft to modelopt")
+                write_shards(
+                    dict(sorted(tensors.items())),
+                    work,
+                    max_shard_bytes=2**62,
+                    progress=progress,
+                    desc="handing the draft to modelopt",
+                )
                 (work / "model.safetensors").rename(work / INPUT_FILE)
                 (work / REQUEST_FILE).write_text(json.dumps({"modules": list(modules)}))
                 if progress:
-                    print(f"running nvidia-modelopt in {self.python} ...", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"running nvidia-modelopt in {self.python} ...", file=sys.stderr, flush=True
+                    )
                 proc = subprocess.run(
-                    [str(self.python), "-m", "vllm_nemotron_spec.quantize.modelopt_engine",
-                     str(work)],
-                    capture_output=True, text=True, env=_worker_env(),
+                    [
+                        str(self.python),
+                        "-m",
+                        "vllm_nemotron_spec.quantize.modelopt_engine",
+                        str(work),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    env=_worker_env(),
                 )
                 if proc.returncode != 0:
                     output = (proc.stdout or "") + (proc.stderr or "")
@@ -303,8 +316,9 @@ def take_packed(exported: dict, source: dict, modules: list[str]) -> dict:
     exactly those modules and passed every other tensor through unchanged."""
     import torch
 
-    packed_by_modelopt = sorted(k[: -len(".weight_scale")] for k in exported
-                                if k.endswith(".weight_scale"))
+    packed_by_modelopt = sorted(
+        k[: -len(".weight_scale")] for k in exported if k.endswith(".weight_scale")
+    )
     if packed_by_modelopt != sorted(modules):
         extra = sorted(set(packed_by_modelopt) - set(modules))
         absent = sorted(set(modules) - set(packed_by_modelopt))
@@ -339,8 +353,10 @@ def take_packed(exported: dict, source: dict, modules: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m vllm_nemotron_spec.quantize.modelopt_engine REQUEST_DIR",
-              file=sys.stderr)
+        print(
+            "usage: python -m vllm_nemotron_spec.quantize.modelopt_engine REQUEST_DIR",
+            file=sys.stderr,
+        )
         return 2
     run_request(args[0])
     return 0

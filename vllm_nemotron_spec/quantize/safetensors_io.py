@@ -55,7 +55,9 @@ def read_tensors(directory: str | Path, names=None) -> dict[str, "torch.Tensor"]
                 if wanted is not None and key not in wanted:
                     continue
                 if key in out:
-                    raise ValueError(f"tensor {key} is stored twice: in {where[key]} and {file.name}")
+                    raise ValueError(
+                        f"tensor {key} is stored twice: in {where[key]} and {file.name}"
+                    )
                 out[key] = f.get_tensor(key)
                 where[key] = file.name
     if wanted is not None:
@@ -159,8 +161,9 @@ def write_shards(
     shards = plan_shards(tensors, max_shard_bytes)
     names = shard_file_names(len(shards))
     total = sum(_nbytes(t) for t in tensors.values())
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-               disable=not progress)
+    bar = tqdm(
+        total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not progress
+    )
     try:
         for file_name, members in zip(names, shards):
             bar.set_postfix_str(file_name)
@@ -187,8 +190,16 @@ def parse_size(text: str | int) -> int:
         return text
     s = str(text).strip().upper().replace(" ", "")
     units = {
-        "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-        "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1, "": 1,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "B": 1,
+        "": 1,
     }
     for unit in sorted(units, key=len, reverse=True):
         if s.endswith(unit):

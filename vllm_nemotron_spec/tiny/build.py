@@ -28,9 +28,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vllm_nemotron_spec.checkpoint.layout import DFLASH, DSPARK
 from vllm_nemotron_spec.outputs import atomic_output_dir, check_output_dir, manifest_files
 from vllm_nemotron_spec.tiny.corpus import CorpusParams
-from vllm_nemotron_spec.checkpoint.layout import DFLASH, DSPARK
 from vllm_nemotron_spec.tiny.drafts import DraftParams
 from vllm_nemotron_spec.tiny.target import TargetParams
 from vllm_nemotron_spec.tiny.tokenizer import TokenizerParams
@@ -200,8 +200,8 @@ def is_complete(outdir: str | Path, seed: int, spec: TinySpec | None = None) -> 
 
 
 def _build_into(root: Path, seed: int, spec: TinySpec, progress: bool) -> None:
-    from vllm_nemotron_spec.tiny import drafts, target, tokenizer
     from vllm_nemotron_spec._torch import deterministic_torch
+    from vllm_nemotron_spec.tiny import drafts, target, tokenizer
     from vllm_nemotron_spec.tiny.corpus import generate_documents
 
     t0 = time.monotonic()
@@ -211,7 +211,9 @@ def _build_into(root: Path, seed: int, spec: TinySpec, progress: bool) -> None:
     tokenizer.save_tokenizer(tok, root / "tokenizer", spec.tokenizer)
     target_dir = root / "target"
     tokenizer.copy_tokenizer(root / "tokenizer", target_dir)
-    stats = target.build_target(target_dir, tok, documents, spec.target, seed=seed, progress=progress)
+    stats = target.build_target(
+        target_dir, tok, documents, spec.target, seed=seed, progress=progress
+    )
     with deterministic_torch(1):
         for kind in (DFLASH, DSPARK):
             drafts.build_draft(root / kind, kind, target_dir, seed=seed, params=spec.draft)

@@ -18,19 +18,58 @@ from dataclasses import dataclass
 NAMES = ("Anna", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gus", "Hana", "Ivo", "Juno", "Kai", "Lena")
 ANIMALS = ("cat", "dog", "bird", "fox", "horse", "mouse", "rabbit", "duck", "goat", "sheep", "frog")
 THINGS = (
-    "ball", "box", "book", "cup", "hat", "key", "lamp", "map", "apple", "basket", "chair",
-    "table", "window", "garden", "river", "house", "boat", "tree", "stone", "letter", "bread",
+    "ball",
+    "box",
+    "book",
+    "cup",
+    "hat",
+    "key",
+    "lamp",
+    "map",
+    "apple",
+    "basket",
+    "chair",
+    "table",
+    "window",
+    "garden",
+    "river",
+    "house",
+    "boat",
+    "tree",
+    "stone",
+    "letter",
+    "bread",
 )
 PLACES = ("garden", "kitchen", "forest", "market", "school", "park", "village", "library", "farm")
 COLORS = ("red", "blue", "green", "yellow", "white", "black", "brown", "orange", "purple")
 SIZES = ("small", "big", "little", "tall", "old", "young", "quiet", "happy", "tired", "clever")
 VERBS_T = (
-    "sees", "finds", "takes", "carries", "likes", "opens", "paints", "wants", "hides", "drops",
-    "watches", "follows",
+    "sees",
+    "finds",
+    "takes",
+    "carries",
+    "likes",
+    "opens",
+    "paints",
+    "wants",
+    "hides",
+    "drops",
+    "watches",
+    "follows",
 )
 VERBS_T_PAST = (
-    "saw", "found", "took", "carried", "liked", "opened", "painted", "wanted", "hid", "dropped",
-    "watched", "followed",
+    "saw",
+    "found",
+    "took",
+    "carried",
+    "liked",
+    "opened",
+    "painted",
+    "wanted",
+    "hid",
+    "dropped",
+    "watched",
+    "followed",
 )
 VERBS_I = ("sleeps", "runs", "sings", "waits", "jumps", "walks", "smiles", "rests", "plays")
 VERBS_I_PAST = ("slept", "ran", "sang", "waited", "jumped", "walked", "smiled", "rested", "played")
@@ -39,12 +78,33 @@ ADVERBS = ("slowly", "quickly", "quietly", "happily", "again", "today", "every m
 TIMES = ("In the morning", "At night", "After lunch", "One day", "Later", "Then", "In the evening")
 DAYS = ("monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday")
 MONTHS = (
-    "january", "february", "march", "april", "may", "june", "july", "august", "september",
-    "october", "november", "december",
+    "january",
+    "february",
+    "march",
+    "april",
+    "may",
+    "june",
+    "july",
+    "august",
+    "september",
+    "october",
+    "november",
+    "december",
 )
 NUMBER_WORDS = (
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-    "eleven", "twelve",
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
 )
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from vllm_nemotron_spec._torch import torch_threads
 from vllm_nemotron_spec.checkpoint.layout import (
     ARCHITECTURES,
     CONFIG_FILE,
@@ -46,12 +47,10 @@ from vllm_nemotron_spec.checkpoint.layout import (
     logical_shapes,
     quantization_config,
 )
-from vllm_nemotron_spec._torch import torch_threads
 from vllm_nemotron_spec.tiny.tokenizer import BOS_ID, EOS_ID, MASK_ID, copy_tokenizer
 
 if TYPE_CHECKING:
     import torch
-
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,9 @@ def spread_layer_ids(num_blocks: int, count: int = 6) -> list[int]:
     """``count`` target block ids spread from block 1 to the LAST block (``num_blocks - 1``), like
     the official ``[1, 5, 19, 29, 41, 51]`` of the 52-block target."""
     if num_blocks < count + 1:
-        raise ValueError(f"need at least {count + 1} target blocks for {count} layer ids, got {num_blocks}")
+        raise ValueError(
+            f"need at least {count + 1} target blocks for {count} layer ids, got {num_blocks}"
+        )
     step = (num_blocks - 2) / (count - 1)
     ids = [round(1 + k * step) for k in range(count)]
     if len(set(ids)) != count or ids[-1] != num_blocks - 1:
@@ -248,10 +249,16 @@ def target_embedding(target_dir: str | Path):
     target_dir = Path(target_dir)
     for file in sorted(target_dir.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for key in ("backbone.embeddings.weight", "model.embeddings.weight", "model.embed_tokens.weight"):
+            for key in (
+                "backbone.embeddings.weight",
+                "model.embeddings.weight",
+                "model.embed_tokens.weight",
+            ):
                 if key in f.keys():
                     return f.get_tensor(key).to(torch.float32)
-    raise KeyError(f"no embedding tensor (backbone.embeddings.weight) in {target_dir}/*.safetensors")
+    raise KeyError(
+        f"no embedding tensor (backbone.embeddings.weight) in {target_dir}/*.safetensors"
+    )
 
 
 def write_draft(
@@ -281,7 +288,9 @@ def write_draft(
     ids = list(target_layer_ids) if target_layer_ids is not None else spread_layer_ids(num_blocks)
     bad = [i for i in ids if not 0 <= i < num_blocks]
     if bad:
-        raise ValueError(f"target_layer_ids {ids}: {bad} outside the target's blocks 0..{num_blocks - 1}")
+        raise ValueError(
+            f"target_layer_ids {ids}: {bad} outside the target's blocks 0..{num_blocks - 1}"
+        )
     config = draft_config(
         kind,
         hidden_size=target_cfg["hidden_size"],
@@ -362,7 +371,9 @@ def read_draft_state_dict(path: str | Path) -> dict:
         if absent:
             raise KeyError(f"NVFP4 module {module}: missing tensors {absent}")
         with torch_threads(1):
-            out[f"{module}.weight"] = nvfp4.dequantize(*(raw[n] for n in names), dtype=torch.float32)
+            out[f"{module}.weight"] = nvfp4.dequantize(
+                *(raw[n] for n in names), dtype=torch.float32
+            )
         consumed.update(names)
         consumed.update(f"{module}.{s}" for s in IGNORED_SUFFIXES)
     for key, value in raw.items():

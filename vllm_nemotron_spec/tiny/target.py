@@ -135,7 +135,9 @@ def token_stream(tokenizer, documents: Sequence[str]):
     return torch.tensor(ids, dtype=torch.long)
 
 
-def train_target(model, stream, params: TargetParams, seed: int, progress: bool = True) -> list[float]:
+def train_target(
+    model, stream, params: TargetParams, seed: int, progress: bool = True
+) -> list[float]:
     """Train ``model`` in place on random windows of ``stream``; returns the per-step losses."""
     import torch
     from tqdm.auto import tqdm
@@ -160,12 +162,16 @@ def train_target(model, stream, params: TargetParams, seed: int, progress: bool 
     )
     model.train()
     losses: list[float] = []
-    bar = tqdm(range(params.train_steps), desc="training tiny target", disable=not progress, leave=False)
+    bar = tqdm(
+        range(params.train_steps), desc="training tiny target", disable=not progress, leave=False
+    )
     for step in bar:
         lr = params.lr * _lr_factor(step, params)
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(0, stream.numel() - params.seq_len, (params.batch_size,), generator=gen)
+        starts = torch.randint(
+            0, stream.numel() - params.seq_len, (params.batch_size,), generator=gen
+        )
         batch = torch.stack([stream[s : s + params.seq_len] for s in starts.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -184,7 +190,9 @@ def _lr_factor(step: int, params: TargetParams) -> float:
         return (step + 1) / params.warmup_steps
     span = max(1, params.train_steps - params.warmup_steps)
     progress = (step - params.warmup_steps) / span
-    return params.min_lr_ratio + (1 - params.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return params.min_lr_ratio + (1 - params.min_lr_ratio) * 0.5 * (
+        1 + math.cos(math.pi * progress)
+    )
 
 
 def build_target(

@@ -119,8 +119,15 @@ class TokenizerParams:
 def train_tokenizer(documents: Sequence[str], params: TokenizerParams = TokenizerParams()):
     """Train the byte-level BPE tokenizer on ``documents``; returns a ``tokenizers.Tokenizer``
     with exactly ``params.vocab_size`` tokens and the special tokens at the ids above."""
-    from tokenizers import (AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors,
-                            trainers)
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -138,8 +145,9 @@ def train_tokenizer(documents: Sequence[str], params: TokenizerParams = Tokenize
         show_progress=False,
     )
     tok.train_from_iterator(list(documents), trainer=trainer, length=len(documents))
-    tok.add_tokens([AddedToken(t, special=t in (IM_START, IM_END), normalized=False)
-                    for t in CHAT_TOKENS])
+    tok.add_tokens(
+        [AddedToken(t, special=t in (IM_START, IM_END), normalized=False) for t in CHAT_TOKENS]
+    )
     # Fill up to exactly vocab_size with reserved special tokens (ids continue after the merges).
     missing = params.vocab_size - tok.get_vocab_size(with_added_tokens=True)
     if missing < 0:
@@ -194,7 +202,13 @@ def save_tokenizer(tok, outdir: str | Path, params: TokenizerParams = TokenizerP
     _write_json(outdir / "tokenizer_config.json", tokenizer_config(params))
     _write_json(
         outdir / "special_tokens_map.json",
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": UNK, "mask_token": MASK},
+        {
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "unk_token": UNK,
+            "mask_token": MASK,
+        },
     )
 
 

@@ -343,7 +343,9 @@ def generate_draft_data(
     aux = None
     groups = sorted(set(prompt_lens.tolist()))
     bar = tqdm(
-        total=len(groups) * params.new_tokens, desc="target greedy data", disable=not progress,
+        total=len(groups) * params.new_tokens,
+        desc="target greedy data",
+        disable=not progress,
         leave=False,
     )
     for length in groups:
@@ -691,7 +693,10 @@ def reference_dflash_forward(
         k_ctx, v_ctx = context_kv(layer, draft, ctx, c_cos, c_sin)
         if windowed:
             out = attention(
-                q.reshape(S * K, B, nh, hd), per_block(k_ctx, k), per_block(v_ctx, v), allowed,
+                q.reshape(S * K, B, nh, hd),
+                per_block(k_ctx, k),
+                per_block(v_ctx, v),
+                allowed,
                 attn.attention_sink_bias,
             ).view(S, K * B, nh * hd)
         else:
@@ -752,9 +757,7 @@ def reference_dspark_base_logits(
     ``tokens[L]``), in the query layout of ``draft.sample_from_anchor``; ``U_k`` is the draft's
     base guess for position ``L + k`` in both layouts (before the Markov bias)."""
     first = dspark_first_row(draft)
-    hidden = reference_dflash_forward(
-        draft, aux, tokens, anchors, first + num_speculative_tokens
-    )
+    hidden = reference_dflash_forward(draft, aux, tokens, anchors, first + num_speculative_tokens)
     return draft_logits(hidden[:, :, first:], lm_head_weight)
 
 
@@ -918,23 +921,32 @@ def train_dspark_draft(
         logits = dspark_teacher_forced_logits(draft, lm_head_weight, aux, tokens, anchors, gamma)
         S, K = anchors.shape
         labels = tokens.gather(1, (anchors[..., None] + 1 + torch.arange(gamma)).reshape(S, -1))
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                             reduction="none")
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+        )
         w = weights.repeat(S * K)
         return (ce * w).sum() / w.sum()
 
     def evaluate():
-        return {"gamma": gamma, "acceptance": offline_dspark_acceptance(
-            draft, lm_head_weight, held_out, gamma
-        )}
+        return {
+            "gamma": gamma,
+            "acceptance": offline_dspark_acceptance(draft, lm_head_weight, held_out, gamma),
+        }
 
     last_anchors = train.lengths - 1 - gamma  # the label of position L + gamma must exist
     return _optimise(draft, train, last_anchors, batch_loss, evaluate, params, seed, progress, desc)
 
 
 def _optimise(
-    draft, train: DraftData, last_anchors, batch_loss, evaluate, params: TrainParams, seed: int,
-    progress: bool, desc: str,
+    draft,
+    train: DraftData,
+    last_anchors,
+    batch_loss,
+    evaluate,
+    params: TrainParams,
+    seed: int,
+    progress: bool,
+    desc: str,
 ) -> TrainResult:
     """The shared loop: AdamW with warmup and cosine decay, ``params.seqs_per_step`` sequences
     and ``params.anchors_per_seq`` anchors each per step, then ``evaluate()`` in eval mode."""
@@ -948,8 +960,12 @@ def _optimise(
         gen = torch.Generator().manual_seed(seed)
         trainable = [p for p in draft.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(
-            trainable, lr=params.lr, betas=(0.9, 0.95), eps=1e-8,
-            weight_decay=params.weight_decay, foreach=False,
+            trainable,
+            lr=params.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=params.weight_decay,
+            foreach=False,
         )
         draft.train()
         bar = tqdm(range(params.steps), desc=desc, disable=not progress, leave=False)
@@ -1043,7 +1059,12 @@ def offline_dspark_acceptance(
 
     def propose(s, anchors):
         base = reference_dspark_base_logits(
-            draft, lm_head_weight, data.aux[s : s + 1], data.tokens[s : s + 1], anchors, gamma,
+            draft,
+            lm_head_weight,
+            data.aux[s : s + 1],
+            data.tokens[s : s + 1],
+            anchors,
+            gamma,
         )
         return markov_walk(draft, base[0], data.tokens[s, anchors[0]])[0]
 
@@ -1101,7 +1122,11 @@ class TrainedDrafts:
     def at(cls, root: str | Path) -> "TrainedDrafts":
         root = Path(root)
         return cls(
-            root, root / DFLASH, root / DFLASH_SHIFTED, root / DFLASH_UNQUANTIZED, root / DSPARK,
+            root,
+            root / DFLASH,
+            root / DFLASH_SHIFTED,
+            root / DFLASH_UNQUANTIZED,
+            root / DSPARK,
             root / DSPARK_WRONG_ANCHOR,
         )
 
@@ -1122,7 +1147,10 @@ def ensure_trained_drafts(
 
         family = ensure_tiny_family(seed=seed)
     return build_trained_drafts(
-        Path(family.root).parent / f"tiny-drafts-trained-seed{seed}", family, seed, spec=spec,
+        Path(family.root).parent / f"tiny-drafts-trained-seed{seed}",
+        family,
+        seed,
+        spec=spec,
         progress=progress,
     )
 
@@ -1245,7 +1273,14 @@ def _train_into(root: Path, family, seed: int, spec: TrainerSpec, progress: bool
         if name == DFLASH:
             dflash_state = result.state_dict
     stats[DSPARK] = _train_dspark_into(
-        root, family, seed, spec, data, aux_hidden_state_ids(dspec), lm_head, dflash_state,
+        root,
+        family,
+        seed,
+        spec,
+        data,
+        aux_hidden_state_ids(dspec),
+        lm_head,
+        dflash_state,
         progress,
     )
     stats["total_seconds"] = round(time.monotonic() - t0, 1)
@@ -1272,9 +1307,13 @@ def _train_dspark_into(
         copied = init_from_state(draft, dflash_state)
     result = train_dspark_draft(draft, lm_head, data, params, seed + 2, progress, desc=DSPARK)
     path = write_draft(
-        root / DSPARK, DSPARK, result.state_dict, family.target,
+        root / DSPARK,
+        DSPARK,
+        result.state_dict,
+        family.target,
         params=DraftParams(**family.manifest()["params"]["draft"]),
-        target_layer_ids=list(sspec.target_layer_ids), mask_token_id=sspec.mask_token_id,
+        target_layer_ids=list(sspec.target_layer_ids),
+        mask_token_id=sspec.mask_token_id,
     )
     expected = json.loads((family.dspark_draft / "config.json").read_text())
     if json.loads((path / "config.json").read_text()) != expected:
