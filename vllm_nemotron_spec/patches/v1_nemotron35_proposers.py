@@ -79,7 +79,7 @@ def _input_fits(original):
     def wrapper(self, common_attn_metadata):
         fits = original(self, common_attn_metadata)
         drafter = getattr(self, "drafter", None)
-        if fits and getattr(drafter, "sample_from_anchor", True) is False:
+        if fits and getattr(drafter, "bonus_anchor_row", False):
             # vLLM added no bonus row for method "dspark"; the bonus-anchor layout has one.
             return (
                 common_attn_metadata.max_seq_len + self.num_spec_tokens + 1

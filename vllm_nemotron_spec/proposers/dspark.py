@@ -29,6 +29,7 @@ from typing_extensions import override
 from vllm.config import VllmConfig
 from vllm.v1.sample.metadata import SamplingMetadata
 
+from vllm_nemotron_spec.models.nemotron35_dflash import draft_spec_from_vllm_config
 from vllm_nemotron_spec.proposers.dflash import Nemotron35DFlashProposer
 
 
@@ -67,8 +68,13 @@ class Nemotron35DSparkProposer(Nemotron35DFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         with _method_seen_as_dflash(vllm_config):
             super().__init__(vllm_config, device, runner)
-        hf_config = self.draft_model_config.hf_config
-        self.sample_from_anchor = bool(getattr(hf_config, "sample_from_anchor", True))
+        # the query layout from the one validated parse of the checkpoint (as the model reads it)
+        self.sample_from_anchor = draft_spec_from_vllm_config(vllm_config).sample_from_anchor
+
+    @property
+    def bonus_anchor_row(self) -> bool:
+        """Whether the query block carries the bonus token as an extra row (``[b, MASK x gamma]``)."""
+        return not self.sample_from_anchor
 
     @override
     def query_rows_per_request(self) -> int:
