@@ -23,7 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (hub_server)
 from hub_server import LoopbackHub
 
-from vllm_nemotron_spec import serving
+from vllm_nemotron_spec.bench import client as http
+from vllm_nemotron_spec.bench import server as serve
 
 pytestmark = pytest.mark.engine
 
@@ -155,7 +156,7 @@ def test_wrong_fc_revision_is_refused_before_any_weight_is_downloaded(hub, hf_ho
     before = hub.served_bytes(DSPARK, ".safetensors")
     rc, report, _ = run_inspect(env, DSPARK, "--revision", WRONG_FC, "--target", TARGET)
     assert rc == 2 and any(p.startswith("draft weights: `fc.weight`") for p in report["problems"])
-    failed = serving.serve_once(
+    failed = serve.serve_once(
         TARGET,
         speculative_config={
             "method": "dspark",
@@ -163,7 +164,7 @@ def test_wrong_fc_revision_is_refused_before_any_weight_is_downloaded(hub, hf_ho
             "revision": WRONG_FC,
             "num_speculative_tokens": GAMMA,
         },
-        args=serving.CPU_TINY_SERVE_ARGS,
+        args=serve.CPU_TINY_SERVE_ARGS,
         env=env,
     )
     assert not failed.became_ready and failed.returncode != 0
@@ -180,7 +181,7 @@ def test_headers_unreadable_at_start_up_are_checked_at_load_time(hub, hf_home):
     before = hub.served_bytes(DSPARK, ".safetensors")
     hub.refuse_ranges = True
     try:
-        failed = serving.serve_once(
+        failed = serve.serve_once(
             TARGET,
             speculative_config={
                 "method": "dspark",
@@ -188,7 +189,7 @@ def test_headers_unreadable_at_start_up_are_checked_at_load_time(hub, hf_home):
                 "revision": WRONG_FC,
                 "num_speculative_tokens": GAMMA,
             },
-            args=serving.CPU_TINY_SERVE_ARGS,
+            args=serve.CPU_TINY_SERVE_ARGS,
             env=hub_env(hub, hf_home),
             timeout=300,
         )
@@ -207,18 +208,18 @@ def test_headers_unreadable_at_start_up_are_checked_at_load_time(hub, hf_home):
 def test_serve_dspark_by_repo_id_from_an_empty_cache(hub, hf_home, prompts, plain, tmp_path):
     env = hub_env(hub, hf_home)
     log = tmp_path / "serve.log"
-    server = serving.start_server(
+    server = serve.start_server(
         TARGET,
         log,
         speculative_config={"method": "dspark", "model": DSPARK, "num_speculative_tokens": GAMMA},
-        args=[*serving.CPU_TINY_SERVE_ARGS, "--max-model-len", "512", "--max-num-seqs", "2"],
+        args=[*serve.CPU_TINY_SERVE_ARGS, "--max-model-len", "512", "--max-num-seqs", "2"],
         env=env,
         timeout=420,
     )
     try:
-        model = json.loads(serving.get(f"{server.url}/v1/models")[1])["data"][0]["id"]
+        model = json.loads(http.get(f"{server.url}/v1/models")[1])["data"][0]["id"]
         got = [
-            serving.complete(
+            http.complete(
                 server.url,
                 {
                     "model": model,

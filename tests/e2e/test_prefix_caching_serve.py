@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_nemotron_spec import serving
+from vllm_nemotron_spec.bench import client as http
+from vllm_nemotron_spec.bench import server as serve
 
 pytestmark = pytest.mark.engine
 
@@ -91,28 +92,26 @@ def conversation_tokens(tokenizer_dir) -> list[int]:
 
 
 def _hits(url: str) -> tuple[float, float]:
-    m = serving.read_metrics(url)
-    return serving.metric(m, "vllm:prefix_cache_hits"), serving.metric(
-        m, "vllm:prefix_cache_queries"
-    )
+    m = http.read_metrics(url)
+    return http.metric(m, "vllm:prefix_cache_hits"), http.metric(m, "vllm:prefix_cache_queries")
 
 
 def _accepted(url: str) -> float:
-    return serving.metric(serving.read_metrics(url), "vllm:spec_decode_num_accepted_tokens")
+    return http.metric(http.read_metrics(url), "vllm:spec_decode_num_accepted_tokens")
 
 
-def run_conversation(server: serving.Server, stream: list[int]) -> dict:
+def run_conversation(server: serve.Server, stream: list[int]) -> dict:
     """The turns on one server: prompts, answers, and /metrics deltas per turn."""
-    status, text = serving.get(f"{server.url}/v1/models")
+    status, text = http.get(f"{server.url}/v1/models")
     assert status == 200, text
     model = json.loads(text)["data"][0]["id"]
     prompt = list(stream[:FIRST_PROMPT_TOKENS])
     user = stream[FIRST_PROMPT_TOKENS:]
     turns = []
     for t in range(TURNS):
-        before = serving.read_until_settled(lambda: _hits(server.url), 10.0, 0.3)
+        before = http.read_until_settled(lambda: _hits(server.url), 10.0, 0.3)
         accepted = _accepted(server.url)
-        done = serving.complete(
+        done = http.complete(
             server.url,
             {
                 "model": model,
@@ -124,7 +123,7 @@ def run_conversation(server: serving.Server, stream: list[int]) -> dict:
             stream=False,
             timeout=300,
         )
-        after = serving.read_until_settled(lambda: _hits(server.url), 10.0, 0.3)
+        after = http.read_until_settled(lambda: _hits(server.url), 10.0, 0.3)
         turns.append(
             {
                 "prompt_tokens": len(prompt),
@@ -161,12 +160,12 @@ def served(request, tiny_family, tmp_path_factory) -> dict:
                 }
             )
             log = tmp_path_factory.mktemp(f"{method}-{kv_dtype}") / "serve.log"
-            servers[method] = serving.launch_server(
+            servers[method] = serve.launch_server(
                 tiny_family.target, log, speculative_config=spec, args=serve_args(kv_dtype)
             )
 
         def one(method):
-            serving.wait_ready(servers[method], timeout=420)
+            serve.wait_ready(servers[method], timeout=420)
             return run_conversation(servers[method], stream)
 
         with ThreadPoolExecutor(max_workers=len(METHODS)) as pool:

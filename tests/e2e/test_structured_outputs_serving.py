@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import guides as g  # tests/e2e/guides.py
 import pytest
 
-from vllm_nemotron_spec import serving
+from vllm_nemotron_spec.bench import client as http
+from vllm_nemotron_spec.bench import server as serve
 
 pytestmark = pytest.mark.engine
 
@@ -39,7 +40,7 @@ CHAT_MAX_TOKENS = 48
 TOOL_MAX_TOKENS = 96
 TIMEOUT_S = 180.0
 SERVER_ARGS = (
-    *serving.CPU_TINY_SERVE_ARGS,
+    *serve.CPU_TINY_SERVE_ARGS,
     "--max-model-len",
     "1024",
     "--max-num-seqs",
@@ -194,7 +195,7 @@ class Message:
 
 def chat(url: str, body: dict) -> Message:
     if not body["stream"]:
-        status, data = serving.post_json(f"{url}/v1/chat/completions", body, TIMEOUT_S)
+        status, data = http.post_json(f"{url}/v1/chat/completions", body, TIMEOUT_S)
         if status != 200 or not isinstance(data, dict):
             return Message(status, None, None, [], None, [], error=str(data)[:500])
         choice = data["choices"][0]
@@ -212,8 +213,8 @@ def chat(url: str, body: dict) -> Message:
             list(choice.get("token_ids") or []),
         )
     reasoning, content, calls, ids, finish = [], [], {}, [], None
-    with serving.http_request(f"{url}/v1/chat/completions", body, TIMEOUT_S) as resp:
-        for chunk in serving.sse_chunks(resp):
+    with http.http_request(f"{url}/v1/chat/completions", body, TIMEOUT_S) as resp:
+        for chunk in http.sse_chunks(resp):
             if "error" in chunk:
                 return Message(200, None, None, [], None, [], error=str(chunk)[:500])
             for choice in chunk.get("choices") or []:
@@ -233,12 +234,12 @@ def chat(url: str, body: dict) -> Message:
 
 def run_completions(
     url: str, model: str, requests: list[Completion], concurrency: int
-) -> list[serving.Completion]:
-    def one(r: Completion) -> serving.Completion:
+) -> list[http.Completion]:
+    def one(r: Completion) -> http.Completion:
         try:
-            return serving.complete(url, r.body(model), stream=r.stream, timeout=TIMEOUT_S)
+            return http.complete(url, r.body(model), stream=r.stream, timeout=TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a dropped connection is a finding
-            return serving.Completion(0, [], None, error=f"{type(exc).__name__}: {exc}")
+            return http.Completion(0, [], None, error=f"{type(exc).__name__}: {exc}")
 
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         return list(pool.map(one, requests))
@@ -247,7 +248,7 @@ def run_completions(
 def spec_counters(url: str):
     from vllm_nemotron_spec.bench import spec_counters_from_metrics
 
-    status, text = serving.get(f"{url}/metrics")
+    status, text = http.get(f"{url}/metrics")
     assert status == 200, f"GET /metrics: HTTP {status}"
     return spec_counters_from_metrics(text)
 
@@ -264,7 +265,7 @@ def servers(tiny_family, tmp_path_factory):
     trained = ensure_trained_drafts(seed=0, family=tiny_family)
     logs = tmp_path_factory.mktemp("structured-output-servers")
     launched = {
-        "plain": serving.launch_server(tiny_family.target, logs / "plain.log", args=SERVER_ARGS)
+        "plain": serve.launch_server(tiny_family.target, logs / "plain.log", args=SERVER_ARGS)
     }
     try:
         for method in METHODS:
@@ -273,15 +274,15 @@ def servers(tiny_family, tmp_path_factory):
                 "model": str(getattr(trained, method)),
                 "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
             }
-            launched[method] = serving.launch_server(
+            launched[method] = serve.launch_server(
                 tiny_family.target,
                 logs / f"{method}.log",
                 speculative_config=spec,
                 args=SERVER_ARGS,
             )
         for server in launched.values():
-            serving.wait_ready(server, timeout=420)
-            status, text = serving.get(f"{server.url}/v1/models")
+            serve.wait_ready(server, timeout=420)
+            status, text = http.get(f"{server.url}/v1/models")
             assert status == 200, text
             server.extra["model"] = json.loads(text)["data"][0]["id"]
         yield launched
@@ -297,7 +298,7 @@ def reference(servers):
     model = plain.extra["model"]
     load = completion_load()
     completions = {
-        r: serving.complete(plain.url, r.body(model), stream=False, timeout=TIMEOUT_S)
+        r: http.complete(plain.url, r.body(model), stream=False, timeout=TIMEOUT_S)
         for r in load
         if not r.stream
     }
@@ -318,7 +319,7 @@ def loaded(request, servers, reference):
     load = completion_load()
     before = spec_counters(server.url)
     got = run_completions(server.url, model, load, concurrency=len(load))
-    after = serving.read_until_settled(lambda: spec_counters(server.url), 10.0, 0.3)
+    after = http.read_until_settled(lambda: spec_counters(server.url), 10.0, 0.3)
     return {
         "method": request.param,
         "server": server,
