@@ -15,6 +15,10 @@ import json
 import os
 import shlex
 from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 
 
 def inspect_checkpoint(
@@ -332,3 +336,12 @@ def vllm_draft_config(draft_model_config) -> dict:
         )[0]
     except DraftSpecError:
         return draft_model_config.hf_config.to_dict()
+
+
+def draft_spec_from_vllm_config(vllm_config) -> DraftSpec:
+    """The draft's DraftSpec, parsed from its config.json as vLLM loaded it (local path, or the
+    cache at the draft's revision): what the draft models and the V1 proposers read."""
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
+
+    draft_config = vllm_config.speculative_config.draft_model_config
+    return DraftSpec.from_config(vllm_draft_config(draft_config), path=draft_config.model)

@@ -23,19 +23,11 @@ from __future__ import annotations
 from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
+from vllm_nemotron_spec.checkpoint.inspect import draft_spec_from_vllm_config
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 from vllm_nemotron_spec.target_hook import checked_weights
 
 ARCHITECTURE = "DFlashNemotron35DraftModel"
-
-
-def draft_spec_from_vllm_config(vllm_config: VllmConfig) -> DraftSpec:
-    """The draft's DraftSpec, parsed from its config.json as vLLM loaded it (local path, or the
-    cache at the draft's revision)."""
-    from vllm_nemotron_spec.checkpoint.inspect import vllm_draft_config
-
-    draft_config = vllm_config.speculative_config.draft_model_config
-    return DraftSpec.from_config(vllm_draft_config(draft_config), path=draft_config.model)
 
 
 class Nemotron35DFlashForCausalLM(DFlashQwen3ForCausalLM):
