@@ -258,9 +258,14 @@ def serve_program() -> str:
         return "vllm serve"
 
 
-def _not_nemotron_h(config: dict) -> str | None:
-    """What a target config is when it is plainly not a NemotronH model (its architectures or
-    model_type say so), else None."""
+def _not_nemotron_h(target_config) -> str | None:
+    """What a target config (a dict or a loaded config object) is when it is plainly not a
+    NemotronH model (its architectures or model_type say so), else None."""
+    from vllm_nemotron_spec.checkpoint.spec import target_config_dict
+
+    config = target_config_dict(target_config)
+    if not isinstance(config, dict):
+        return None  # the checks report what is wrong with it
     archs = config.get("architectures") or []
     model_type = config.get("model_type")
     if "NemotronHForCausalLM" in archs or model_type == "nemotron_h":
