@@ -290,6 +290,10 @@ def _report() -> dict:
         "mean_acceptance_length": 2.5,
         "per_position_acceptance": [0.8, 0.5],
         "acceptance_histogram": [1, 2, 3],
+        "num_speculative_tokens": 2,
+        "status": "ok",
+        "tokens_per_s": 10.0,
+        "speedup_vs_plain": None,
     }
     return {
         "runs": [run],
@@ -350,7 +354,7 @@ ERROR_CASES = {
     "demo-num-prompts": (["demo", "--num-prompts", "0"], "--num-prompts must be >= 1"),
     "demo-max-tokens": (["demo", "--max-tokens", "x"], "invalid int value"),
     "demo-family-dir": (["demo", "--family-dir", "{foreign}"], "was not written by this command"),
-    "inspect-missing": (["inspect", "{tmp}/nope"], "is not a local directory or file"),
+    "inspect-missing": (["inspect", "{tmp}/nope"], "no such file or directory"),
     "inspect-k": (["inspect", "{tmp}", "-k", "x"], "invalid int value"),
     "bench-num-prompts": (["bench", "--num-prompts", "0"], "--num-prompts must be >= 1"),
     "bench-server-and-method": (

@@ -12,9 +12,9 @@ from vllm_nemotron_spec.patches import nemotron35_prefix_cache_block as patch
 def _engine_config(target, spec):
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_nemotron_spec import target_hook
+    from vllm_nemotron_spec import patches
 
-    target_hook.register()
+    patches.apply_one("nemotron_h_config_hook")
     return EngineArgs(
         model=str(target),
         skip_tokenizer_init=True,
