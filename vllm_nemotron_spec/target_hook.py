@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import Any
 
-ARCHITECTURES = ("NemotronHForCausalLM",)
 LOGGER_NAME = "vllm.nemotron_spec.target"
 
 
