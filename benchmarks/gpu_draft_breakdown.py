@@ -184,7 +184,7 @@ def attribute(events: list[dict], device: bool = True) -> dict:
                     unattributed[0] += 1
                     unattributed[1] += dur
                     continue
-                part = ranges[stack[-1]]["name"][len(RANGE_PREFIX):]
+                part = ranges[stack[-1]]["name"][len(RANGE_PREFIX) :]
                 outer = next((r for r in stack if ranges[r]["name"] == RANGE_PREFIX + STEP), None)
                 if part == STEP:
                     part = OTHER
@@ -433,7 +433,9 @@ def child_main(spec_file: str) -> int:
         drafts = find_draft_models()
         result["draft_models"] = [type(m).__module__ + "." + type(m).__name__ for m in drafts]
         if len(drafts) != 1:
-            raise RuntimeError(f"expected one draft model in the process, found {result['draft_models']}")
+            raise RuntimeError(
+                f"expected one draft model in the process, found {result['draft_models']}"
+            )
         model = drafts[0]
         ranges.install_model(model)
         result["ranges"] = ranges.installed
@@ -546,7 +548,9 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def graph_reference(args, spec: gl.RunSpec, models: dict, entry: dict, out: Path, timeout: float) -> dict:
+def graph_reference(
+    args, spec: gl.RunSpec, models: dict, entry: dict, out: Path, timeout: float
+) -> dict:
     """gpu_lightning's child (CUDA graphs, DraftStepTimer) for the same run: draft ms per step."""
     ns = argparse.Namespace(smoke=False, concurrency=args.concurrency, dtype=args.dtype, eager=False,
                             input_len=args.input_len, output_len=args.profile_tokens,
@@ -593,7 +597,9 @@ def parent_main(args) -> int:
     names = args.runs.split(",")
     unknown = [n for n in names if n not in by_name or by_name[n].method is None]
     if unknown:
-        raise SystemExit(f"unknown runs {unknown}; choose from {[r.name for r in gl.RUNS if r.method]}")
+        raise SystemExit(
+            f"unknown runs {unknown}; choose from {[r.name for r in gl.RUNS if r.method]}"
+        )
     have_plugin = gl.plugin_installed()
     results = {"setup": {
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
@@ -636,7 +642,9 @@ def parent_main(args) -> int:
         speculative = {"method": spec.method, "model": models[spec.method],
                        "num_speculative_tokens": spec.gamma}  # fmt: skip
         if not args.smoke:
-            speculative.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)
+            speculative.update(
+                rejection_sample_method="synthetic", synthetic_acceptance_rates=rates
+            )
         result_file = out / "runs" / f"{name}.json"
         child = {"name": name, "smoke": args.smoke, "result_file": str(result_file), "engine": engine,
                  "speculative": speculative, "method": spec.method, "gamma": spec.gamma,
@@ -650,9 +658,12 @@ def parent_main(args) -> int:
         result_file.unlink(missing_ok=True)
         log = out / "logs" / f"{name}.log"
         env = gl.run_env(spec)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: hooks see the model
+        # the engine in the child's own process, so that the hooks see the draft model
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         timeout = max(30.0, remaining - 5)
-        print(f"[{elapsed:6.0f}s] {name}: starting (timeout {timeout:.0f} s, log {log})", flush=True)
+        print(
+            f"[{elapsed:6.0f}s] {name}: starting (timeout {timeout:.0f} s, log {log})", flush=True
+        )
         t0 = time.time()
         with open(log, "w") as fh:
             proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(spec_file)],
@@ -665,7 +676,11 @@ def parent_main(args) -> int:
             gl._kill_group(proc)
         took = time.time() - t0
         longest = max(longest, took)
-        got = json.loads(result_file.read_text()) if result_file.is_file() else {"status": "no result"}
+        got = (
+            json.loads(result_file.read_text())
+            if result_file.is_file()
+            else {"status": "no result"}
+        )
         if rc != 0 and got.get("status") == "ok":
             got["status"] = f"ok (exit {rc})"
         elif rc != 0 and got.get("status") != "error":
@@ -680,7 +695,10 @@ def parent_main(args) -> int:
                 entry["graph_reference"] = graph_reference(args, spec, models, entry, out, left)
         results["runs"].append(entry)
         save()
-        print(f"[{time.time() - t_start:6.0f}s] {name}: {got.get('status')} in {took:.0f} s", flush=True)
+        print(
+            f"[{time.time() - t_start:6.0f}s] {name}: {got.get('status')} in {took:.0f} s",
+            flush=True,
+        )
         if got.get("error"):
             print(f"      error: {got['error'][:400]}")
     results["wall_s"] = round(time.time() - t_start, 1)
@@ -693,29 +711,61 @@ def parent_main(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", help="output directory")
     p.add_argument("--smoke", action="store_true", help="tiny widths on CPU (all code paths)")
-    p.add_argument("--depth", type=int, default=30, help="target blocks (>= 29; 52 = the real model)")
-    p.add_argument("--runs", default=DEFAULT_RUNS, help="comma-separated runs of gpu_lightning.py (not plain)")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="default 1")
-    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024; smoke 32)")
-    p.add_argument("--profile-tokens", type=int, default=None,
-                   help="output tokens of the profiled generate (default 64; smoke 16)")
-    p.add_argument("--skip-steps", type=int, default=2,
-                   help="draft steps dropped at the start of the profile (prefill; more when chunked)")
-    p.add_argument("--max-batched-tokens", type=int, default=8192,
-                   help="prefill tokens a step (to skip chunked-prefill steps at high concurrency)")
+    p.add_argument(
+        "--depth", type=int, default=30, help="target blocks (>= 29; 52 = the real model)"
+    )
+    p.add_argument(
+        "--runs", default=DEFAULT_RUNS, help="comma-separated runs of gpu_lightning.py (not plain)"
+    )
+    p.add_argument(
+        "--concurrency",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="default 1",
+    )
+    p.add_argument(
+        "--input-len", type=int, default=None, help="prompt tokens (default 1024; smoke 32)"
+    )
+    p.add_argument(
+        "--profile-tokens",
+        type=int,
+        default=None,
+        help="output tokens of the profiled generate (default 64; smoke 16)",
+    )
+    p.add_argument(
+        "--skip-steps",
+        type=int,
+        default=2,
+        help="draft steps dropped at the start of the profile (prefill; more when chunked)",
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=8192,
+        help="prefill tokens a step (to skip chunked-prefill steps at high concurrency)",
+    )
     p.add_argument("--bandwidth-gbs", type=float, default=4300.0, help="for the floors (GB/s)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--graph-reference", action="store_true",
-                   help="also run gpu_lightning's CUDA-graph child per run (draft ms/step; ~2 min more a run)")
-    p.add_argument("--keep-traces", action="store_true", help="keep the chrome traces under DIR/runs/traces")
+    p.add_argument(
+        "--graph-reference",
+        action="store_true",
+        help="also run gpu_lightning's CUDA-graph child per run (draft ms/step; ~2 min more a run)",
+    )
+    p.add_argument(
+        "--keep-traces", action="store_true", help="keep the chrome traces under DIR/runs/traces"
+    )
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting runs after this")
     p.add_argument("--min-run-s", type=float, default=60.0, help="time a run needs at least")
-    p.add_argument("--models-dir", default=os.environ.get("LIGHTNING_MODELS_DIR", "/tmp/vllm-nemotron-lightning"))
+    p.add_argument(
+        "--models-dir",
+        default=os.environ.get("LIGHTNING_MODELS_DIR", "/tmp/vllm-nemotron-lightning"),
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

@@ -21,7 +21,15 @@ P = bd.RANGE_PREFIX
 
 
 def rng(name, ts, dur, tid=1):
-    return {"ph": "X", "cat": "user_annotation", "name": P + name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+    return {
+        "ph": "X",
+        "cat": "user_annotation",
+        "name": P + name,
+        "ts": ts,
+        "dur": dur,
+        "pid": 0,
+        "tid": tid,
+    }
 
 
 def launch_and_kernel(corr, ts, kdur, tid=1, cat="kernel"):
