@@ -72,6 +72,7 @@ MODULE_PARTS = (
 METHOD_PARTS = (
     # (attribute path under the draft model, method, part)
     ("", "embed_input_ids", "embed"),
+    ("", "combine_hidden_states", "context_kv"),  # fc over the target's aux hidden states
     ("model", "precompute_and_store_context_kv", "context_kv"),
     ("", "compute_logits", "lm_head"),
     ("", "compute_draft_logits", "lm_head"),
@@ -84,6 +85,7 @@ CLASS_PARTS = (
     # (module, class or "", attribute, part): the drafter's entry points (gl.TIMED_DRAFT_CALLS)
     # and the Markov walks of vLLM's V2 speculator and of the plugin's V1 proposer
     *((m, c, f, STEP) for m, c, f, slot in gl.TIMED_DRAFT_CALLS if slot == 0),
+    ("vllm.v1.worker.gpu.spec_decode.dspark.speculator", "DSparkSpeculator", "propose", STEP),
     ("vllm.v1.worker.gpu.spec_decode.dspark.speculator", "DSparkSpeculator", "_sample_sequential", "markov_walk"),
     ("vllm.v1.worker.gpu.spec_decode.dspark.speculator", "DSparkSpeculator", "_sample_sequential_topk", "markov_walk"),
     ("vllm_nemotron_spec.proposers.dspark", "", "markov_walk", "markov_walk"),
@@ -282,7 +284,7 @@ def _is_draft(o) -> bool:
     )
 
 
-def find_draft_models(root, max_depth: int = 10, max_nodes: int = 200_000) -> list:
+def find_draft_models(root, max_depth: int = 12, max_nodes: int = 500_000) -> list:
     """The draft model instances reachable from ``root`` (the LLM, its engine in-process):
     nn.Modules whose class name names DFlash or DSpark and that hold ``model.layers`` and an
     ``lm_head``, found by walking attributes and containers breadth first (modules are not
@@ -302,6 +304,8 @@ def find_draft_models(root, max_depth: int = 10, max_nodes: int = 200_000) -> li
             continue
         if depth >= max_depth or isinstance(obj, (str, bytes, int, float, torch.Tensor, type)):
             continue
+        if isinstance(obj, (dict, list, tuple, set)) and len(obj) > 256:
+            continue  # block tables, free-block queues...: no drafter in there
         if isinstance(obj, dict):
             children = list(obj.values())
         elif isinstance(obj, (list, tuple, set)):
@@ -312,6 +316,14 @@ def find_draft_models(root, max_depth: int = 10, max_nodes: int = 200_000) -> li
             except TypeError:
                 continue
         queue += [(c, depth + 1) for c in children]
+    if not found:  # vLLM freezes the gc after start-up: unfreeze to list the objects, refreeze
+        import gc
+
+        gc.unfreeze()
+        found = [o for o in gc.get_objects() if _is_draft(o)]
+        gc.freeze()
+        inner = {id(m) for o in found for _, m in o.named_modules() if m is not o}
+        found = [o for o in found if id(o) not in inner]
     return found
 
 

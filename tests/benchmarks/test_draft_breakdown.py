@@ -118,3 +118,34 @@ def test_floor_arithmetic():
 )  # fmt: skip
 def test_module_names_map_to_parts(name, part):
     assert bd.module_part(name) == part
+
+
+def test_the_draft_model_is_found_from_the_engine_object():
+    torch = pytest.importorskip("torch")
+
+    class Inner(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+    class FakeDSparkForCausalLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.lm_head = Inner(), torch.nn.Linear(2, 2)
+
+    class TargetForCausalLM(FakeDSparkForCausalLM):  # not a draft by its name
+        pass
+
+    class Node:
+        pass
+
+    draft, root = FakeDSparkForCausalLM(), Node()
+    root.engine = Node()
+    root.engine.blocks = [Node() for _ in range(1000)]  # big containers are not walked
+    root.engine.runner = Node()
+    root.engine.runner.model = TargetForCausalLM()
+    root.engine.runner.speculator = Node()
+    root.engine.runner.speculator.model = draft
+    assert bd.find_draft_models(root) == [draft]
+    # not reachable from the root: found through the garbage collector (vLLM freezes it)
+    assert bd.find_draft_models(root.engine.runner.model) == [draft]
