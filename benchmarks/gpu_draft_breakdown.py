@@ -580,7 +580,8 @@ def markdown(results: dict) -> str:
                       + (f", {_fmt(c['total_floor_ms_measured_bw'])} ms at the measured "
                          f"{r.get('measured_copy_gbs'):.0f} GB/s" if c.get("total_floor_ms_measured_bw") else "")
                       + f"; ratio {_fmt(c['total_ratio'], '.2f')}", "",
-                      "| part | GPU ms/step | kernels/step | floor MB | floor ms | ratio |",
+                      "| part | {} ms/step | {}/step | floor MB | floor ms | ratio |".format(
+                          *(("GPU", "kernels") if c["time_source"] == "CUDA kernels" else ("CPU", "ops"))),
                       "|---|---|---|---|---|---|"]  # fmt: skip
             for row in c["rows"]:
                 lines.append(f"| {row['part']} | {_fmt(row['gpu_ms_per_step'])} | "
@@ -590,7 +591,7 @@ def markdown(results: dict) -> str:
                          f"{_fmt(c['total_kernels_per_step'], '.1f')} | {c['total_floor_bytes'] / 1e6:.1f} | "
                          f"{_fmt(c['total_floor_ms'])} | {_fmt(c['total_ratio'], '.2f')} |")  # fmt: skip
     lines += ["", "GPU ms/step: sum of the durations of the kernels attributed to the part (eager mode; launch "
-              "gaps not counted). Floor: the part's weight bytes as loaded (markov_walk: markov_w2 once per "
+              "gaps not counted; CPU ms/step on a machine without CUDA: its top-level CPU ops). Floor: the part's weight bytes as loaded (markov_walk: markov_w2 once per "
               "drafted token; context_kv: fc, hidden_norm and the layers' K/V projection rows) / bandwidth."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
