@@ -23,6 +23,8 @@ the lm_head's 131072 x 2688 BF16; the Markov walk reads ``markov_w2`` once per d
 activations and KV-cache reads neglected) / ``--bandwidth-gbs`` (default 4300, the H200's measured
 copy bandwidth; the run also measures a device-to-device copy and reports it). ``--graph-reference``
 adds, per run, gpu_lightning's CUDA-graph draft time per step (DraftStepTimer) from its own child.
+``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1`` in the environment times the plugin's fused Markov walk
+(kernels/markov.py) in the "ours" DSpark runs instead of vLLM's loop (the plugin's default).
 ``--smoke`` (CPU): no CUDA kernels, so the top-level CPU ops are attributed instead; the upstream
 runs fail there (no CPU NVFP4 kernel) and are recorded. Writes DIR/breakdown.json,
 DIR/breakdown.md, DIR/logs/<run>.log, DIR/runs/<run>.json.
