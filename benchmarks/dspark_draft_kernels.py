@@ -360,7 +360,6 @@ class MarkovSetup:
             self.q.weight, self.q.weight_scale, self.gs, dtype=torch.float32
         )
         self.w2_bf16 = self.w2_f32.to(dtype)
-        self.w1_perm = {p: mk.permute_w1_columns(self.w1, p) for p in (2, 4, 8)}
         self.vllm_head, self.vllm_lp, self.vllm_kind = self._vllm_head(qc_plugin)
 
     def _vllm_head(self, qc_plugin):
@@ -424,8 +423,8 @@ class MarkovSetup:
 
     def walk_fused(self, U, anchor, tokens, cfg, logits_out=None):
         self.mk.markov_walk_greedy(
-            U, anchor, self.w1_perm[cfg.phases], self.q.weight, self.q.weight_scale, self.gs,
-            tokens_out=tokens, logits_out=logits_out, config=cfg, w1_permuted=True,
+            U, anchor, self.w1, self.q.weight, self.q.weight_scale, self.gs,  # raw, as the engine
+            tokens_out=tokens, logits_out=logits_out, config=cfg, w1_permuted=False,
         )  # fmt: skip
 
     # -- verification against the fp32 reference, teacher-forced --
