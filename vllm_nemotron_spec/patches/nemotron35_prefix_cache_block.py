@@ -27,11 +27,11 @@ from typing import Any
 
 from vllm_nemotron_spec.patches import replace_when_imported
 from vllm_nemotron_spec.patches.v1_nemotron35_proposers import DFLASH_ARCH, DSPARK_ARCH
+from vllm_nemotron_spec.target_hook import LOGGER_NAME  # the routing decision's logger
 
 TARGET_MODULE = "vllm.config.speculative"
 TARGET_CLASS = "SpeculativeConfig"
 TARGET_SYMBOL = "use_eagle_block_drop"
-LOGGER_NAME = "vllm.nemotron_spec.target"
 
 _logged = False
 
