@@ -1,18 +1,10 @@
 """DraftSpec: the one validated parse of a DFlash / DSpark draft checkpoint's config.json.
 
-Every reader (draft models, proposers, attention choice, quantization, the ``inspect`` command)
-reads a :class:`DraftSpec` and never the raw dict, so a checkpoint problem is reported in exactly
-one place and ``inspect`` and the server say the same thing. Parsing collects *every* problem it
-finds and raises one :class:`DraftSpecError` listing them all (``err.problems``).
-
-Pure Python: no torch, no vLLM (``inspect`` runs without either).
-
-Nemotron 3.5 layout (:func:`is_nemotron35_draft_config`) is decided by the config's structure, not
-by a name: a ``DFlashDraftModel`` / ``Qwen3DSparkModel`` draft that ships its own ``embed_tokens``
-(``has_embed_tokens: true``), uses the target's lm_head (``has_lm_head: false``), names its aux
-hidden states explicitly (``eagle_aux_hidden_state_layer_ids``) and carries a ``dflash_config``.
-Everything else about such a config is *validated*, not used to decide, so a damaged Nemotron
-config is reported instead of silently taking the generic path.
+Every reader takes a :class:`DraftSpec`, never the raw dict, so ``inspect`` and the server report
+a checkpoint problem the same way; the parse collects every problem into one
+:class:`DraftSpecError`. The Nemotron 3.5 layout is decided by the config's structure
+(:func:`is_nemotron35_draft_config`) and everything else is validated, so a damaged Nemotron
+config is reported instead of taking the generic path. Pure Python: no torch, no vLLM.
 """
 
 from __future__ import annotations
