@@ -1,6 +1,7 @@
 """Helpers shared by the serving benchmarks (gpu_recipe_check.py, gpu_multiturn.py): how a real
 ``vllm serve`` is launched on 127.0.0.1, the published serving recipe's flags and what this
-machine's vLLM supports of them, and /metrics snapshots (prefix-cache and spec-decode counters).
+machine's vLLM supports of them, /metrics snapshots (prefix-cache and spec-decode counters), and
+the results files they write.
 
 The server side reuses ``vllm_nemotron_spec.bench`` (``server``: Server, readiness; ``client``: HTTP); the launcher is
 chosen here: vLLM's own CLI module on CUDA (the GPU bundle has no console scripts), the package's
@@ -356,3 +357,24 @@ def stop_all(servers) -> None:
         if server is not None:
             with contextlib.suppress(Exception):  # stopping the rest matters more
                 server.stop()
+
+
+# ------------------------------------------------------------------------------------------
+# Results files
+
+
+def results_markdown(
+    title: str, setup: dict, columns: list[str], rows: list[str], note: str
+) -> str:
+    """A results table in Markdown: ``# title``, one ``- key: value`` line per setup entry, the
+    table (``columns`` as its header, ``rows`` already formatted as ``| ... |`` lines), ``note``."""
+    lines = [f"# {title}", ""]
+    lines += [f"- {k}: {v}" for k, v in setup.items()]
+    lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + rows + ["", note, ""])
+
+
+def write_results(out: Path, stem: str, result: dict, markdown: str) -> None:
+    """``out/<stem>.json`` (the whole result) and ``out/<stem>.md`` (its table)."""
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{stem}.md").write_text(markdown)

@@ -299,21 +299,30 @@ def _f(value, fmt: str, missing: str = "") -> str:
     return missing if value is None else fmt.format(value)
 
 
+COLUMNS = [
+    "row",
+    "conc",
+    "output tok/s [range]",
+    "x plain",
+    "x upstream",
+    "TTFT ms",
+    "TPOT ms",
+    "server TTFT / TPOT ms",
+    "acceptance (measured / expected)",
+    "prefix hit rate",
+    "preemptions",
+    "startup s",
+    "status",
+]
+NOTE = (
+    "Median repeat by output tok/s, [min-max] over the repeats in one engine. x upstream: the "
+    'same row with vLLM alone (VLLM_PLUGINS=""). Prefix hit rate: prefix-cache hit tokens / '
+    "queried tokens over the timed turns (the shared prefix was sent once before them)."
+)
+
+
 def markdown(result: dict) -> str:
-    lines = [
-        "# Multi-turn serving benchmark (vllm serve, recipe cache flags, Lightning widths)",
-        "",
-    ]
-    for k, v in result["setup"].items():
-        lines.append(f"- {k}: {v}")
-    lines += [
-        "",
-        (
-            "| row | conc | output tok/s [range] | x plain | x upstream | TTFT ms | TPOT ms "
-            "| server TTFT / TPOT ms | acceptance (measured / expected) | prefix hit rate | preemptions | startup s | status |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     by_name = {r["name"]: r for r in result["runs"]}
 
     def tps(name, conc):
@@ -325,7 +334,7 @@ def markdown(result: dict) -> str:
     for r in result["runs"]:
         if not r.get("concurrency"):
             err = str(r.get("error") or r.get("status"))[:200].replace("|", "/").replace("\n", " ")
-            lines.append(f"| {r['name']} | | | | | | | | | | | {r.get('startup_s', '')} | {err} |")
+            rows.append(f"| {r['name']} | | | | | | | | | | | {r.get('startup_s', '')} | {err} |")
             continue
         for c in r["concurrency"]:
             t = c.get("output_tok_s")
@@ -338,7 +347,7 @@ def markdown(result: dict) -> str:
             acc = c.get("mean_acceptance_length")
             exp = r.get("expected_acceptance_length")
             hit = c.get("prefix_hit_rate")
-            lines.append(
+            rows.append(
                 f"| {r['name']} | {c['concurrency']} | {_f(t, '{:.1f}')}{_range(c.get('output_tok_s_all'))} | "
                 f"{_f(t / base if t and base else None, '{:.2f}')} | {_f(t / up if t and up else None, '{:.2f}')} | "
                 f"{_f(c.get('ttft_ms'), '{:.1f}')}{_range(c.get('ttft_ms_all'))} | "
@@ -348,16 +357,8 @@ def markdown(result: dict) -> str:
                 f"{_f(hit, '{:.3f}', '-')}{_range(c.get('prefix_hit_rate_all'), '{:.3f}')} | "
                 f"{c.get('preemptions', '')} | {r.get('startup_s', '')} | {r['status']} |"
             )
-    lines += [
-        "",
-        (
-            "Median repeat by output tok/s, [min-max] over the repeats in one engine. x upstream: the "
-            'same row with vLLM alone (VLLM_PLUGINS=""). Prefix hit rate: prefix-cache hit tokens / '
-            "queried tokens over the timed turns (the shared prefix was sent once before them)."
-        ),
-        "",
-    ]
-    return "\n".join(lines)
+    title = "Multi-turn serving benchmark (vllm serve, recipe cache flags, Lightning widths)"
+    return _common.results_markdown(title, result["setup"], COLUMNS, rows, NOTE)
 
 
 def main(argv=None) -> int:
@@ -485,8 +486,7 @@ def main(argv=None) -> int:
     }
 
     def save():
-        (out / "multiturn.json").write_text(json.dumps(result, indent=1))
-        (out / "multiturn.md").write_text(markdown(result))
+        _common.write_results(out, "multiturn", result, markdown(result))
 
     fingerprint = {
         k: getattr(args, k)

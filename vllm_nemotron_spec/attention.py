@@ -1,28 +1,10 @@
 """Attention-backend choice for a NemotronH target and its draft.
 
-One pure function, :func:`resolve_attention_backends`, decides from plain facts (device capability,
-speculative method, the draft's attention shape, every explicit user choice).
-:func:`apply_attention_choice` applies it to a ``VllmConfig``; it is called from the NemotronH config
-hook (``target_hook.py``), which vLLM runs once, from ``VllmConfig.__post_init__``, before any worker
-selects an attention backend; the draft's backend is read later from
-``speculative_config.attention_backend``, so setting it there reaches the draft.
-
-What the rules rest on (vLLM 0.32 sources; 0.33 keeps the same structure, see docs/attention.md):
-- ``platforms/cuda.py::_get_backend_priorities``: on compute capability 10.x a causal layer tries
-  FLASHINFER first; a non-causal layer (``attention_config.use_non_causal``) tries FLASH_ATTN first
-  ("FlashInfer's non-causal cutlass path ... is known to have problems"). Hopper / SM12x: FLASH_ATTN.
-- ``utils/flashinfer.py::supports_trtllm_attention``: TRT-LLM kernels for prefill and decode exist
-  on SM10x only (SM90 / SM12x: XQA decode only); ``use_trtllm_attention`` makes FlashInfer use them
-  (``attention_config.use_trtllm_attention``: None = auto, True / False = forced; only FlashInfer
-  reads it).
-- ``FlashInferBackend.supports_sink``: on SM10x FlashInfer serves attention sinks only through the
-  TRT-LLM kernels, and never when ``use_trtllm_attention`` is False.
-- ``FlashInferMetadataBuilder.get_cudagraph_support``: a non-causal FlashInfer layer gets
-  UNIFORM_SINGLE_TOKEN_DECODE off SM90/SM12x, i.e. no full CUDA graph for a multi-token draft block;
-  FLASH_ATTN declares UNIFORM_BATCH (FA2/FA4) or ALWAYS (FA3) and ``supports_non_causal``.
-- ``SpeculativeConfig.attention_backend``: the draft's backend; DFlash / DSpark / V1 proposers never
-  inherit the target's ``attention_config.backend`` (v1/worker/gpu/spec_decode/{dflash,dspark}/utils.py,
-  v1/spec_decode/llm_base_proposer.py); V2 EAGLE/MTP drafts do (``apply_draft_overrides``).
+:func:`resolve_attention_backends` decides from plain facts (device capability, speculative method,
+the draft's attention shape, every explicit user choice); :func:`apply_attention_choice` applies
+it to a ``VllmConfig`` from the NemotronH config hook, before any worker selects a backend (the
+draft's backend is read later from ``speculative_config.attention_backend``). The vLLM behaviour
+the rules rest on is listed in docs/attention.md.
 """
 
 from __future__ import annotations

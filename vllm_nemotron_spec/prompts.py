@@ -1,16 +1,8 @@
 """Prompt sets for ``bench``: a JSONL (or JSON array) file of prompts, or the tiny family's prompts.
 
-One record per line, blank lines skipped. A record is a JSON string, or an object with one of the
-keys of :data:`PROMPT_KEYS` (the first one present is used):
-
-- ``{"prompt": "..."}`` / ``{"text": "..."}``  plain prompt files (vLLM's ``custom`` dataset format)
-- ``{"question": "...", "answer": "..."}``     GSM8K-style (the answer is ignored)
-- ``{"turns": ["...", "..."], ...}``           MT-Bench-style: the FIRST turn is the prompt (later
-  turns need the model's own first answer, which a single-completion benchmark does not have)
-
-A file whose first non-blank character is ``[`` is read as one JSON array of such records.
-Every problem is a :class:`PromptFileError` naming the file, the line and the expected keys.
-Pure Python (no torch, no vLLM).
+A record is a JSON string or an object with one of :data:`PROMPT_KEYS` (``prompt`` / ``text``,
+GSM8K's ``question``, MT-Bench's ``turns``, whose first turn is the prompt). Every problem is a
+:class:`PromptFileError` naming the file, the line and the expected keys. Pure Python.
 """
 
 from __future__ import annotations

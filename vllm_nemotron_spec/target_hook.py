@@ -1,21 +1,10 @@
 """The NemotronH config hook: what the plugin decides about a NemotronH target's engine config.
 
-vLLM runs ``MODELS_CONFIG_MAP[architecture].verify_and_update_config(vllm_config)`` once, from
-``VllmConfig.__post_init__``, before the scheduler, the KV-cache manager or any worker reads the
-config. ``patches/nemotron_h_config_hook.py`` chains ``prepare_nemotron_h_config`` onto vLLM's own
-NemotronH entry (vLLM's Mamba cache-dtype update still runs first), which, in order:
-
-1. A DFlash / DSpark draft with the Nemotron 3.5 layout (structural check of its config) is
-   checked as a whole, exactly as ``vllm-nemotron-spec inspect`` checks it (config, aux ids
-   against the target's blocks as vLLM loaded the target's config, gamma, and the tensor layout
-   from the safetensors headers: now when they can be read without a weight download, else at
-   load time); any problem stops start-up with every problem listed. Nemotron 3.5 drafts are then
-   routed to the plugin's draft classes. Every other draft keeps vLLM's own path untouched.
-2. Refuses speculative decoding, and on CPU prefix caching, whose exactness needs a patch that
-   is not installed (``require_patches``).
-3. Chooses the attention backends (``attention.apply_attention_choice``).
-
-Every other target architecture keeps vLLM's hook untouched.
+vLLM runs it once from ``VllmConfig.__post_init__`` (chained after vLLM's own NemotronH entry by
+``patches/nemotron_h_config_hook.py``), before any scheduler or worker reads the config. It checks
+a Nemotron 3.5 draft as a whole, as ``inspect`` does, and routes it to the plugin's draft classes;
+refuses features whose exactness needs a patch that is not installed; and chooses the attention
+backends. Other drafts and other target architectures keep vLLM's path.
 """
 
 from __future__ import annotations
@@ -41,11 +30,11 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
     """Validate a Nemotron 3.5 draft and route it to our class; returns the inspection report,
     or None when there is no DFlash/DSpark draft with the Nemotron 3.5 layout.
 
-    Whether a draft has the layout is decided from its config alone (vLLM has fetched it by now).
-    The target's facts come from the ``hf_config`` vLLM loaded. Tensor headers are checked now when
-    they can be read without downloading a weight (local files, a complete cache snapshot, the
-    Hub's safetensors metadata), else at load time by the draft model. One log line says what
-    was checked and from where."""
+    Whether a draft has the layout is decided from its config alone (vLLM has fetched it before
+    the hook runs). The target's facts come from the ``hf_config`` vLLM loaded. Tensor headers are
+    checked at start-up when they can be read without downloading a weight (local files, a
+    complete cache snapshot, the Hub's safetensors metadata), else at load time by the draft model.
+    One log line says what was checked and from where."""
     from vllm.logger import init_logger
 
     from vllm_nemotron_spec.checkpoint.inspect import (

@@ -19,29 +19,12 @@ pytestmark = pytest.mark.engine
 
 GAMMA = 3
 MAX_TOKENS = 40
+NUM_SAMPLE_PROMPTS = 5  # then the long prompts (the conftest's `prompts`)
 LONG_PROMPT_LENGTHS = (70, 150)  # tokens: beyond the 64-token window; 150 beyond one KV block
-MIN_MEAN_ACCEPTANCE_LENGTH = 2.5  # the bar at gamma 3 (max 4)
+MIN_MEAN_ACCEPTANCE_LENGTH = 2.5  # at gamma 3 (max 4)
 # The wrong-anchor twin drafts position L + k from the row trained for L + k + 1 (and with the
 # Markov input one token off): acceptance collapses to about one token.
 MAX_WRONG_ANCHOR_ACCEPTANCE_LENGTH = 1.5
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_family):
-    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
-
-    return ensure_trained_drafts(seed=0, family=tiny_family)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_family):
-    from vllm_nemotron_spec.tiny.corpus import document_windows, sample_prompts
-    from vllm_nemotron_spec.tiny.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(tiny_family.tokenizer)
-    out = [{"prompt_token_ids": tok.encode(p).ids} for p in sample_prompts()[:5]]
-    out += [{"prompt_token_ids": w} for w in document_windows(tok, 97531, LONG_PROMPT_LENGTHS)]
-    return out
 
 
 def _engine(tiny_family, draft, k=GAMMA, **extra):

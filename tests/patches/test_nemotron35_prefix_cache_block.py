@@ -37,7 +37,7 @@ def test_routed_drafts_keep_the_trailing_block_and_vllm_alone_drops_it(tiny_fami
     assert config.cache_config.mamba_cache_mode == "align"
     assert patch.routed_nemotron35_draft(spec)
     assert spec.use_eagle_block_drop() is False
-    # Tripwire: vLLM 0.32 on its own drops it for DFlash/DSpark (0.33 no longer does).
+    # Tripwire: vLLM 0.32 on its own drops it for DFlash/DSpark (0.33 does not).
     assert type(spec).use_eagle_block_drop.__wrapped__(spec) is True, (
         "vLLM no longer drops the trailing block for DFlash/DSpark: remove "
         "vllm_nemotron_spec/patches/nemotron35_prefix_cache_block.py"

@@ -100,7 +100,7 @@ def _skip_unless_startup_check_knows_compressed_tensors(draft) -> None:
     if problems:
         pytest.skip(
             "the plugin's start-up check (checkpoint.check_tensors) does not know the "
-            "compressed-tensors layout yet and refuses the draft before vLLM loads it "
+            "compressed-tensors layout and refuses the draft before vLLM loads it "
             f"({len(problems)} problems, e.g. {problems[0]!r}); the quantization config itself "
             "is tested in test_compressed_tensors.py"
         )

@@ -1,16 +1,10 @@
 """Acceptance and speed of speculative decoding methods, side by side on one prompt set.
 
-Two ways to measure, one report:
-
-- ``offline``: each method in its own ``vllm.LLM`` in this process, one after another.
-- ``online``: a bounded pool of streaming clients against running ``vllm serve`` processes on
-  this machine, with their ``/metrics`` read before and after.
-
-The modules, each importing only those listed before it: ``stats`` (results and the JSON
-report), ``methods`` (method specs), ``client`` (the standard-library HTTP, server-sent-event
-and Prometheus client), ``server`` (start and stop a local ``vllm serve``), ``offline``,
-``online``, ``report`` (text table and plot). What is measured and what is derived is recorded
-in each run (``*_source`` fields) and described in ``docs/bench.md``.
+``offline`` runs each method in its own ``vllm.LLM`` in this process; ``online`` drives running
+``vllm serve`` processes with a bounded pool of streaming clients and reads their ``/metrics``.
+Each submodule imports only those listed before it: ``stats``, ``methods``, ``client`` (the one
+HTTP, SSE and Prometheus client), ``server``, ``offline``, ``online``, ``report``. What is
+measured and what is derived is described in ``docs/bench.md``.
 """
 
 from vllm_nemotron_spec.bench.client import parse_prometheus_text, spec_counters_from_metrics

@@ -1,15 +1,9 @@
-"""A draft checkpoint's tensors, from safetensors HEADERS only, checked against its DraftSpec.
+"""A draft checkpoint's tensors, from safetensors headers only, checked against its DraftSpec.
 
-No weight is ever read: a safetensors file starts with an 8-byte little-endian header length and a
-JSON header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``;
-that header is all this module reads. Sharded checkpoints are found through
-``model.safetensors.index.json``.
-
-:func:`check_tensors` compares every tensor with the layout the spec implies
-(:meth:`DraftSpec.linear_modules`, :meth:`DraftSpec.dense_tensors`): NVFP4 modules must be stored
-packed (``weight`` uint8 ``[out, in/2]``, ``weight_scale`` float8_e4m3fn ``[out, in/16]``,
-``weight_scale_2`` float32 scalar), modules excluded from quantization unquantized at their logical
-shape. Shape math comes from :mod:`vllm_nemotron_spec.nvfp4.format` (imported when needed).
+No weight is read: only each file's JSON header (names, dtypes, shapes, data offsets), with the
+shards listed in ``model.safetensors.index.json``. :func:`check_tensors` compares every tensor
+with the layout the spec implies: NVFP4 modules packed as :mod:`vllm_nemotron_spec.nvfp4.format`
+describes, modules excluded from quantization at their logical shape.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """DraftSpec: the one validated parse of a DFlash / DSpark draft checkpoint's config.json.
 
-Every reader (draft models, proposers, attention choice, quantization, the ``inspect`` command)
-reads a :class:`DraftSpec` and never the raw dict, so a checkpoint problem is reported in exactly
-one place and ``inspect`` and the server say the same thing. Parsing collects *every* problem it
-finds and raises one :class:`DraftSpecError` listing them all (``err.problems``).
-
-Pure Python: no torch, no vLLM (``inspect`` runs without either).
-
-Nemotron 3.5 layout (:func:`is_nemotron35_draft_config`) is decided by the config's structure, not
-by a name: a ``DFlashDraftModel`` / ``Qwen3DSparkModel`` draft that ships its own ``embed_tokens``
-(``has_embed_tokens: true``), uses the target's lm_head (``has_lm_head: false``), names its aux
-hidden states explicitly (``eagle_aux_hidden_state_layer_ids``) and carries a ``dflash_config``.
-Everything else about such a config is *validated*, not used to decide, so a damaged Nemotron
-config is reported instead of silently taking the generic path.
+Every reader takes a :class:`DraftSpec`, never the raw dict, so ``inspect`` and the server report
+a checkpoint problem the same way; the parse collects every problem into one
+:class:`DraftSpecError`. The Nemotron 3.5 layout is decided by the config's structure
+(:func:`is_nemotron35_draft_config`) and everything else is validated, so a damaged Nemotron
+config is reported instead of taking the generic path. Pure Python: no torch, no vLLM.
 """
 
 from __future__ import annotations
@@ -775,11 +767,61 @@ def check_against_target(spec: DraftSpec, target_config: Any) -> tuple[list[str]
 # The parse itself.
 
 
+_SHAPE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "aux_hidden_state_ids",
+)
+"""The fields :meth:`DraftSpec.linear_modules` needs to list the draft's linears and their shapes."""
+
+
 def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
+    """The :class:`DraftSpec` field values of ``cfg``, read section by section; every problem and
+    warning found is appended (in the order the sections read the config)."""
     f = _Fields(cfg, problems)
     out: dict[str, Any] = {}
+    architecture, method = _parse_architecture(f, problems, warnings)
+    nemotron = is_nemotron35_draft_config(cfg)
+    out.update(architecture=architecture or "", method=method or "dflash", is_nemotron35=nemotron)
+    out["model_type"] = f.get("model_type", _str)
+    _parse_sizes(f, out, nemotron, problems)
+    _parse_widths_and_activation(f, out, nemotron, problems)
 
-    # ---- architecture and method -----------------------------------------------------------
+    dcfg = f.get("dflash_config", _dict)  # None when absent or mistyped (reported)
+    d = _Fields(dcfg or {}, problems, "dflash_config.")
+    _parse_attention(f, d, out, nemotron, out["num_hidden_layers"], problems)
+    _parse_rope(f, out, nemotron, problems)
+    _parse_mask_token(f, d, out, problems)
+    _parse_target_layers(f, d, out, problems)
+
+    if method == "dflash":
+        out["sample_from_anchor"] = _parse_dflash_anchor(f, d, problems)
+    else:
+        out["sample_from_anchor"] = _parse_dspark_anchor(f, d, nemotron, problems, warnings)
+    _parse_block_size(f, d, out, method, problems)
+    _parse_markov_head(f, out, method, nemotron, problems)
+    _parse_embedding_ownership(f, d, out, nemotron, architecture, warnings)
+    _parse_quant(cfg, out, problems, warnings)
+
+    if method is not None and all(out.get(k) is not None for k in _SHAPE_FIELDS):
+        # A partial spec (some unrelated fields may be None) is enough to list the modules.
+        _check_nvfp4_shapes(DraftSpec(path=None, **out), problems)
+    out["default_num_speculative_tokens"] = _default_num_speculative_tokens(
+        method, out["block_size"], nemotron
+    )
+    return out
+
+
+def _parse_architecture(
+    f: _Fields, problems: list[str], warnings: list[str]
+) -> tuple[str | None, str | None]:
+    """The draft's architecture (the first of ``architectures``) and the method it implies:
+    DSpark by name or by a declared Markov head, DFlash by name; None where undecidable."""
     archs = f.get("architectures", _str_list, required=True)
     architecture = None
     if archs is not None:
@@ -811,11 +853,12 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
             f"architecture {architecture!r}: with method 'dspark' vLLM 0.33 rewrites any "
             f"architecture outside {', '.join(VLLM_DSPARK_ARCHITECTURES)} to DeepSeek-V4 DSpark"
         )
-    nemotron = is_nemotron35_draft_config(cfg)
-    out.update(architecture=architecture or "", method=method or "dflash", is_nemotron35=nemotron)
-    out["model_type"] = f.get("model_type", _str)
+    return architecture, method
 
-    # ---- sizes -----------------------------------------------------------------------------
+
+def _parse_sizes(f: _Fields, out: dict, nemotron: bool, problems: list[str]) -> None:
+    """The transformer's shape: hidden size, layers, heads, head_dim (derived from hidden size
+    and heads where a generic draft omits it), intermediate size, vocabulary, RMSNorm eps."""
     hidden = f.get("hidden_size", _pos_int, required=True)
     layers = f.get("num_hidden_layers", _pos_int, required=True)
     if layers is not None and layers > MAX_DRAFT_LAYERS:
@@ -858,6 +901,13 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
         vocab_size=vocab,
         rms_norm_eps=eps,
     )
+
+
+def _parse_widths_and_activation(
+    f: _Fields, out: dict, nemotron: bool, problems: list[str]
+) -> None:
+    """The MLP activation, attention bias, the fc input width per aux layer, the draft
+    vocabulary (the Nemotron 3.5 drafts use the full target vocabulary) and the position limit."""
     out["hidden_act"] = f.get("hidden_act", _str, default="silu")
     if nemotron and out["hidden_act"] != "silu":
         problems.append(
@@ -866,6 +916,7 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
         )
     out["attention_bias"] = f.get("attention_bias", _bool, default=False)
     out["target_hidden_size"] = f.get("target_hidden_size", _pos_int)
+    vocab = out["vocab_size"]
     draft_vocab = f.get("draft_vocab_size", _pos_int)
     if draft_vocab is not None and vocab is not None and draft_vocab > vocab:
         problems.append(f"`draft_vocab_size`: {draft_vocab} exceeds vocab_size {vocab}")
@@ -877,14 +928,10 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
     out["draft_vocab_size"] = draft_vocab
     out["max_position_embeddings"] = f.get("max_position_embeddings", _pos_int)
 
-    # ---- dflash_config ---------------------------------------------------------------------
-    dcfg = f.get("dflash_config", _dict)  # None when absent or mistyped (reported)
-    d = _Fields(dcfg or {}, problems, "dflash_config.")
 
-    _parse_attention(f, d, out, nemotron, layers, problems)
-    _parse_rope(f, out, nemotron, problems)
-
-    # ---- mask token ------------------------------------------------------------------------
+def _parse_mask_token(f: _Fields, d: _Fields, out: dict, problems: list[str]) -> None:
+    """The MASK id that fills the query block, from any of the four fields drafts use for it
+    (all that are set must agree)."""
     sources = [
         ("dflash_config.mask_token_id", d.get("mask_token_id", _nonneg_int)),
         ("mask_token_id", f.get("mask_token_id", _nonneg_int)),
@@ -900,11 +947,15 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
             "`mask_token_id`: missing (expected a non-negative integer in "
             "`dflash_config.mask_token_id` or `mask_token_id`; the MASK id fills the query block)"
         )
+    vocab = out["vocab_size"]
     if mask is not None and vocab is not None and mask >= vocab:
         problems.append(f"`mask_token_id`: {mask} is not below vocab_size {vocab}")
     out["mask_token_id"] = mask
 
-    # ---- target layer ids and aux ids ------------------------------------------------------
+
+def _parse_target_layers(f: _Fields, d: _Fields, out: dict, problems: list[str]) -> None:
+    """The target-facing facts: which target blocks feed the draft (``target_layer_ids``, from
+    any of three fields), their aux ids (id + 1), and the declared target layer count."""
     id_sources = [
         ("target_layer_ids", f.get("target_layer_ids", _id_list)),
         ("dflash_config.target_layer_ids", d.get("target_layer_ids", _id_list)),
@@ -948,47 +999,62 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
         target_layer_ids=target_ids, aux_hidden_state_ids=aux_ids, num_target_layers=num_target
     )
 
-    # ---- anchor mode, block size, Markov head ----------------------------------------------
-    if method == "dflash":
-        values = [
-            (k, v)
-            for k, v in (
-                ("sample_from_anchor", cfg.get("sample_from_anchor")),
-                ("dflash_config.sample_from_anchor", (dcfg or {}).get("sample_from_anchor")),
-            )
-            if v is not None
-        ]
-        for k, v in values:
-            if v is not False:
-                problems.append(
-                    f"`{k}`: DFlash drafts never sample from the anchor (row 0 of the query block "
-                    f"is the anchor b; rows 1..B-1 are the drafts), expected false, found "
-                    f"{_found(v)}"
-                )
-        out["sample_from_anchor"] = False
-    else:
-        out["sample_from_anchor"] = _sample_from_anchor(cfg, problems)
-        if (
-            nemotron
-            and cfg.get("sample_from_anchor") is None
-            and (dcfg or {}).get("sample_from_anchor") is None
-        ):
-            warnings.append(
-                "`sample_from_anchor` is absent: the DSpark default (true, anchor layout) applies; "
-                "the published Nemotron 3.5 DSpark checkpoint says false"
-            )
-        bonus = f.get("dspark_bonus_anchor", _bool)
-        if (
-            bonus is not None
-            and isinstance(cfg.get("sample_from_anchor"), bool)
-            and bonus == cfg["sample_from_anchor"]
-        ):
-            problems.append(
-                f"`dspark_bonus_anchor` ({_show(bonus)}) contradicts `sample_from_anchor` "
-                f"({_show(cfg['sample_from_anchor'])}): the bonus-anchor layout is "
-                "sample_from_anchor=false"
-            )
 
+def _parse_dflash_anchor(f: _Fields, d: _Fields, problems: list[str]) -> bool:
+    """A DFlash draft never samples from the anchor; a ``sample_from_anchor`` it states must say
+    false."""
+    values = [
+        (k, v)
+        for k, v in (
+            ("sample_from_anchor", f.cfg.get("sample_from_anchor")),
+            ("dflash_config.sample_from_anchor", d.cfg.get("sample_from_anchor")),
+        )
+        if v is not None
+    ]
+    for k, v in values:
+        if v is not False:
+            problems.append(
+                f"`{k}`: DFlash drafts never sample from the anchor (row 0 of the query block "
+                f"is the anchor b; rows 1..B-1 are the drafts), expected false, found "
+                f"{_found(v)}"
+            )
+    return False
+
+
+def _parse_dspark_anchor(
+    f: _Fields, d: _Fields, nemotron: bool, problems: list[str], warnings: list[str]
+) -> bool:
+    """The DSpark query layout (:func:`get_sample_from_anchor`), checked against the
+    ``dspark_bonus_anchor`` spelling of the same flag."""
+    cfg = f.cfg
+    sample_from_anchor = _sample_from_anchor(cfg, problems)
+    if (
+        nemotron
+        and cfg.get("sample_from_anchor") is None
+        and d.cfg.get("sample_from_anchor") is None
+    ):
+        warnings.append(
+            "`sample_from_anchor` is absent: the DSpark default (true, anchor layout) applies; "
+            "the published Nemotron 3.5 DSpark checkpoint says false"
+        )
+    bonus = f.get("dspark_bonus_anchor", _bool)
+    if (
+        bonus is not None
+        and isinstance(cfg.get("sample_from_anchor"), bool)
+        and bonus == cfg["sample_from_anchor"]
+    ):
+        problems.append(
+            f"`dspark_bonus_anchor` ({_show(bonus)}) contradicts `sample_from_anchor` "
+            f"({_show(cfg['sample_from_anchor'])}): the bonus-anchor layout is "
+            "sample_from_anchor=false"
+        )
+    return sample_from_anchor
+
+
+def _parse_block_size(
+    f: _Fields, d: _Fields, out: dict, method: str | None, problems: list[str]
+) -> None:
+    """The block the draft was trained for (required for DSpark; DFlash's includes the anchor)."""
     block_sources = [
         ("block_size", f.get("block_size", _pos_int)),
         ("dflash_config.block_size", d.get("block_size", _pos_int)),
@@ -1009,6 +1075,12 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
         problems.append("`block_size`: 1 leaves no draft rows (a DFlash block includes the anchor)")
     out["block_size"] = block
 
+
+def _parse_markov_head(
+    f: _Fields, out: dict, method: str | None, nemotron: bool, problems: list[str]
+) -> None:
+    """The DSpark Markov head: its rank (required for DSpark) and type ("vanilla" for the
+    Nemotron 3.5 DSpark draft)."""
     markov_type = f.get("markov_head_type", _str)
     markov_rank = f.get("markov_rank", _pos_int)
     if method == "dspark":
@@ -1028,7 +1100,17 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
                 )
     out.update(markov_head_type=markov_type, markov_rank=markov_rank)
 
-    # ---- embedding / lm_head ownership -----------------------------------------------------
+
+def _parse_embedding_ownership(
+    f: _Fields,
+    d: _Fields,
+    out: dict,
+    nemotron: bool,
+    architecture: str | None,
+    warnings: list[str],
+) -> None:
+    """Whether the draft ships its own embedding and lm_head; a config that looks like the
+    Nemotron 3.5 layout but lacks part of it is named in a warning (it takes the generic path)."""
     out["has_embed_tokens"] = f.get("has_embed_tokens", _bool, default=False)
     out["has_lm_head"] = f.get("has_lm_head", _bool, default=False)
     if (
@@ -1040,7 +1122,7 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
         missing = [
             k
             for k in ("eagle_aux_hidden_state_layer_ids", "dflash_config")
-            if not (f.has(k) if k != "dflash_config" else isinstance(dcfg, dict))
+            if not (f.has(k) if k != "dflash_config" else isinstance(f.cfg.get(k), dict))
         ]
         if missing:
             warnings.append(
@@ -1049,31 +1131,17 @@ def _parse(cfg: dict, problems: list[str], warnings: list[str]) -> dict:
                 "as a generic draft"
             )
 
-    # ---- quantization ----------------------------------------------------------------------
-    _parse_quant(cfg, out, problems, warnings)
 
-    # ---- cross-field checks ----------------------------------------------------------------
-    needed = (
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "intermediate_size",
-        "vocab_size",
-        "aux_hidden_state_ids",
-    )
-    if method is not None and all(out.get(k) is not None for k in needed):
-        # A partial spec (some unrelated fields may be None) is enough to list the modules.
-        _check_nvfp4_shapes(DraftSpec(path=None, **out), problems)
+def _default_num_speculative_tokens(
+    method: str | None, block: int | None, nemotron: bool
+) -> int | None:
+    """The gamma a draft runs with when none is asked for: the whole trained block (less the
+    anchor row for DFlash), else the published Nemotron 3.5 DFlash recipe's 5."""
     if method == "dflash" and block is not None:
-        default = block - 1
-    elif method == "dspark":
-        default = block
-    else:
-        default = NEMOTRON35_DFLASH_NUM_SPECULATIVE_TOKENS if nemotron else None
-    out["default_num_speculative_tokens"] = default
-    return out
+        return block - 1
+    if method == "dspark":
+        return block
+    return NEMOTRON35_DFLASH_NUM_SPECULATIVE_TOKENS if nemotron else None
 
 
 def _check_nvfp4_shapes(spec: DraftSpec, problems: list[str]) -> None:
@@ -1104,40 +1172,9 @@ def _declared(f: _Fields, d: _Fields, sources) -> bool:
 def _parse_attention(
     f: _Fields, d: _Fields, out: dict, nemotron: bool, layers: int | None, problems: list[str]
 ) -> None:
-    layer_types = f.get("layer_types", _str_list)
-    if layer_types is not None:
-        bad = sorted({t for t in layer_types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)})
-        if bad:
-            problems.append(
-                f"`layer_types`: unknown attention type(s) {bad} (expected "
-                f"{FULL_ATTENTION!r} or {SLIDING_ATTENTION!r})"
-            )
-            layer_types = None
-        elif layers is not None and len(layer_types) != layers:
-            problems.append(
-                f"`layer_types` has {len(layer_types)} entries but num_hidden_layers is {layers}"
-            )
-            layer_types = None
-    elif nemotron and not f.has("layer_types"):
-        problems.append("`layer_types`: missing (expected one attention type per draft layer)")
-
-    use_swa = d.get("use_swa", _bool)
-    any_sliding = bool(layer_types) and SLIDING_ATTENTION in layer_types
-    if layer_types is None or (use_swa and not any_sliding):
-        per_layer = (SLIDING_ATTENTION if use_swa else FULL_ATTENTION,) * (layers or 0)
-    else:
-        per_layer = tuple(layer_types)
-    if nemotron and layer_types is not None:
-        kinds = set(layer_types)
-        if len(kinds) > 1:
-            problems.append(
-                f"`layer_types`: the Nemotron 3.5 drafts use one attention type for all layers, "
-                f"found {sorted(kinds)}"
-            )
-        if use_swa is not None and use_swa != any_sliding:
-            problems.append(
-                f"`dflash_config.use_swa` is {_show(use_swa)} but `layer_types` are {sorted(kinds)}"
-            )
+    """The attention layout: each layer's attention type, causality, the sliding window and
+    attention sinks (``dflash_config`` and top-level spellings must agree)."""
+    layer_types, per_layer = _parse_layer_types(f, d, nemotron, layers, problems)
     out["layer_types"] = per_layer if layers is not None else None
 
     # Causality: dflash_config.causal, then top-level is_causal, else all-sliding layers.
@@ -1184,6 +1221,49 @@ def _parse_attention(
             f"`attention_sink_bias` ({_show(sinks_top)})"
         )
     out["has_attention_sinks"] = bool(sinks_d if sinks_d is not None else sinks_top)
+
+
+def _parse_layer_types(
+    f: _Fields, d: _Fields, nemotron: bool, layers: int | None, problems: list[str]
+) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    """The declared ``layer_types`` (None when absent or invalid) and the per-layer types the
+    draft runs with (``dflash_config.use_swa`` makes every layer sliding where none is declared
+    sliding)."""
+    layer_types = f.get("layer_types", _str_list)
+    if layer_types is not None:
+        bad = sorted({t for t in layer_types if t not in (FULL_ATTENTION, SLIDING_ATTENTION)})
+        if bad:
+            problems.append(
+                f"`layer_types`: unknown attention type(s) {bad} (expected "
+                f"{FULL_ATTENTION!r} or {SLIDING_ATTENTION!r})"
+            )
+            layer_types = None
+        elif layers is not None and len(layer_types) != layers:
+            problems.append(
+                f"`layer_types` has {len(layer_types)} entries but num_hidden_layers is {layers}"
+            )
+            layer_types = None
+    elif nemotron and not f.has("layer_types"):
+        problems.append("`layer_types`: missing (expected one attention type per draft layer)")
+
+    use_swa = d.get("use_swa", _bool)
+    any_sliding = bool(layer_types) and SLIDING_ATTENTION in layer_types
+    if layer_types is None or (use_swa and not any_sliding):
+        per_layer = (SLIDING_ATTENTION if use_swa else FULL_ATTENTION,) * (layers or 0)
+    else:
+        per_layer = tuple(layer_types)
+    if nemotron and layer_types is not None:
+        kinds = set(layer_types)
+        if len(kinds) > 1:
+            problems.append(
+                f"`layer_types`: the Nemotron 3.5 drafts use one attention type for all layers, "
+                f"found {sorted(kinds)}"
+            )
+        if use_swa is not None and use_swa != any_sliding:
+            problems.append(
+                f"`dflash_config.use_swa` is {_show(use_swa)} but `layer_types` are {sorted(kinds)}"
+            )
+    return layer_types, per_layer
 
 
 def _parse_rope(f: _Fields, out: dict, nemotron: bool, problems: list[str]) -> None:

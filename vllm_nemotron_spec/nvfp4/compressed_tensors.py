@@ -1,47 +1,13 @@
-"""NVFP4 weight-only drafts from llm-compressor (compressed-tensors ``nvfp4-pack-quantized``): exact
-dequantization on CPU, vLLM's own scheme and kernels on GPU.
+"""NVFP4 weight-only drafts from llm-compressor (compressed-tensors ``nvfp4-pack-quantized``).
 
-A draft quantized by llm-compressor's ``NVFP4A16`` recipe stores each quantized linear ``X`` as
-
-* ``X.weight_packed``       uint8 ``[out, in/2]``, two E2M1 codes per byte, element ``2j`` in the
-  LOW nibble, sign in bit 3: exactly ModelOpt's ``X.weight`` (:mod:`.format`);
-* ``X.weight_scale``        float8_e4m3fn ``[out, in/16]``: exactly ModelOpt's ``X.weight_scale``;
-* ``X.weight_global_scale`` float32 ``[1]``: ``448 * 6 / amax``, the RECIPROCAL of ModelOpt's
-  ``weight_scale_2 = amax / (6 * 448)`` (compressed-tensors' own ModelOpt converter maps
-  ``weight_scale_2 -> 1 / weight_global_scale``; vLLM's scheme takes ``1 / weight_global_scale``).
-
-So ``value = E2M1[code] * float(weight_scale) * w2`` with ``w2 = float32(1 / weight_global_scale)``:
-the weight is :func:`vllm_nemotron_spec.nvfp4.format.dequantize` ``(weight_packed, weight_scale,
-w2)``, bit for bit, and ``w2`` is the global scale vLLM's GPU kernels multiply by. (compressed-tensors'
-own arithmetic divides instead, ``E2M1 * float32(scale / global)``: at most one fp32 ulp away where
-the reciprocal is inexact, and equal once rounded to bf16 as its ``decompress`` returns it on the
-tiny draft; see ``tests/quantize/test_compressed_tensors.py``.)
-
-What is registered: the quantization method ``nemotron_ct_w4a16_nvfp4`` (:data:`NAME`), a subclass
-of vLLM's ``CompressedTensorsConfig``. On CPU, where vLLM has no NVFP4 kernel (its
-``CompressedTensorsW4A4Fp4(use_a16=True)`` scheme fails with "Failed to find a kernel"), its
-``override_quantization_method`` claims a compressed-tensors checkpoint whose every quantized group
-is NVFP4 weight-only (4-bit float, ``tensor_group`` strategy, group 16, symmetric, no input
-activations) in the ``nvfp4-pack-quantized`` format, and its NVFP4 W4A16 linears get
-:class:`CompressedTensorsW4A16NvFp4Dequantized`: the weight is dequantized ONCE after loading to the
-model dtype, each fused shard (gate_up, qkv) with its own global scale, and ``apply`` is
-``F.linear``. Everything else (other schemes, ignore lists, KV cache, embeddings) is vLLM's.
-
-On GPU (and every non-CPU platform) the scheme and kernels stay vLLM's own (its compressed-tensors
-W4A16 NVFP4 scheme: FP4 Marlin on Hopper), and the config claims only Nemotron 3.5 drafts, for the
-names below; every other compressed-tensors checkpoint (a target, other drafts) keeps vLLM's own
-config untouched. Note that vLLM's scheme gives a fused layer ONE global scale,
-``1 / max(weight_global_scale)``; llm-compressor writes equal global scales for the shards of layers
-vLLM fuses (gate/up, q/k/v), which keeps that exact. (The GPU path is not exercised by the tests.)
-
-Names. llm-compressor's ignore list names the draft's modules from its own root
-(``layers.0.self_attn.q_proj``), while vLLM builds the draft under ``model.``, names its layers
-after the target's (``layers.{i + number of target layers}``) and fuses q/k/v and gate/up. vLLM's
-own compressed-tensors config matches none of that and builds NVFP4 parameters for the BF16
-attention weights. Here: an ignore entry is tried against every tail of the module path at a
-module boundary (as the ModelOpt config does), the Qwen3 fused layers' shards are known even when
-vLLM passes no ``packed_modules_mapping``, and the ignore list is also exposed as
-``exclude_modules``, where vLLM's DFlash draft adds its layer-offset aliases.
+Registers ``nemotron_ct_w4a16_nvfp4`` (:data:`NAME`), a ``CompressedTensorsConfig`` subclass. The
+packed codes and fp8 block scales are ModelOpt's; ``weight_global_scale`` is the reciprocal of
+ModelOpt's ``weight_scale_2`` (format and arithmetic: docs/bring-your-own-draft.md). On CPU, where
+vLLM has no NVFP4 kernel, it claims checkpoints whose every quantized group is NVFP4 weight-only
+and dequantizes each such linear once after loading, each fused shard with its own global scale
+(:class:`CompressedTensorsW4A16NvFp4Dequantized`). On GPU vLLM's own scheme and kernels run, and
+only Nemotron 3.5 drafts are claimed, for their module names: llm-compressor's ignore list names
+modules from the draft's root, while vLLM prefixes, renumbers and fuses them.
 """
 
 from __future__ import annotations

