@@ -230,15 +230,12 @@ def test_make_tiny_refuses_in_one_line(tmp_path, where):
     assert snapshot(tmp_path) == before
 
 
-def fake_family(root: Path, content: str) -> None:
-    """What ``_build_into`` writes, in miniature: files and a manifest listing them."""
-    import json
-
-    from vllm_nemotron_spec.tiny import build
-
+def fake_family(root: Path, content: str) -> dict:
+    """What ``_build_into`` writes, in miniature: a file (the cache adds the manifest listing
+    it); returns the manifest's other fields."""
     (root / "target").mkdir()
     (root / "target" / "model.safetensors").write_text(content)
-    (root / build.MANIFEST).write_text(json.dumps({"files": build._file_table(root)}))
+    return {}
 
 
 def test_make_tiny_replaces_its_own_family_and_nothing_else(tmp_path, monkeypatch, capsys):

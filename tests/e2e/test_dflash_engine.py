@@ -207,10 +207,11 @@ def test_vllm_aux_hidden_states_are_the_trainers(tiny_family, trained, results):
 
 
 def test_vllm_proposals_are_the_reference_forward(tiny_family, trained, results):
-    """Every draft vLLM proposed is what the trainer's reference forward proposes from the same
+    """Every draft vLLM proposed is what the plain-torch reference (tiny/reference.py) proposes from the same
     committed tokens, bonus token and (vLLM's own) aux hidden states."""
     import torch
 
+    from vllm_nemotron_spec.tiny import reference as ref
     from vllm_nemotron_spec.tiny import train_draft as td
 
     rec = results["dflash"].recorded
@@ -219,7 +220,7 @@ def test_vllm_proposals_are_the_reference_forward(tiny_family, trained, results)
         "vllm_nemotron_spec/patches/cpu_dflash_context_k_norm.py did not apply"
     )
     sequence = rec.prompt + rec.output
-    model, _ = td.load_draft_module(trained.dflash)
+    model, _ = ref.load_draft_module(trained.dflash)
     lm_head = td.target_lm_head(tiny_family.target)
     aux = torch.zeros(len(sequence) + 1, rec.steps[0].aux.shape[-1])
     checked = 0
@@ -229,7 +230,7 @@ def test_vllm_proposals_are_the_reference_forward(tiny_family, trained, results)
         if committed >= len(sequence):
             continue  # the step after the last token: its bonus token was not returned
         assert step.bonus == sequence[committed]
-        expected = td.reference_dflash_propose(
+        expected = ref.dflash_propose(
             model,
             lm_head,
             aux[:committed],

@@ -104,16 +104,17 @@ def test_more_drafted_tokens_than_the_block_is_refused(tiny_family, trained):
 
 
 def test_vllm_proposals_are_the_reference_walk(tiny_family, trained, results):
-    """Each proposal vLLM made equals the trainer's reference (backbone in the bonus-anchor
+    """Each proposal vLLM made equals the plain-torch reference (tiny/reference.py: backbone in the bonus-anchor
     layout, sliding window, sinks, then the greedy Markov walk) from the same committed tokens,
     bonus token and vLLM's own aux hidden states."""
     import torch
 
+    from vllm_nemotron_spec.tiny import reference as ref
     from vllm_nemotron_spec.tiny import train_draft as td
 
     prompt, output, steps = results["recorded"]
     sequence = prompt + output
-    model, _ = td.load_draft_module(trained.dspark)
+    model, _ = ref.load_draft_module(trained.dspark)
     lm_head = td.target_lm_head(tiny_family.target)
     # the last steps see tokens beyond max_tokens (accepted, then cut from the output)
     aux = torch.zeros(len(sequence) + GAMMA + 2, steps[0].aux.shape[-1])
@@ -124,7 +125,7 @@ def test_vllm_proposals_are_the_reference_walk(tiny_family, trained, results):
         if committed >= len(sequence):
             continue
         assert step.bonus == sequence[committed]
-        expected, _ = td.reference_dspark_propose(
+        expected, _ = ref.dspark_propose(
             model, lm_head, aux[:committed], torch.tensor(sequence[:committed]), step.bonus, GAMMA
         )
         assert step.drafts == expected, f"step with {committed} committed tokens"

@@ -1,4 +1,5 @@
-"""The fused DSpark Markov step (vllm_nemotron_spec.kernels.markov) against its torch reference.
+"""The fused DSpark Markov step (vllm_nemotron_spec.kernels.markov) against the plain-torch walk
+of vllm_nemotron_spec.tiny.reference.
 
 Without CUDA the Triton kernels run in Triton's interpreter. That needs TRITON_INTERPRET=1 in the
 environment BEFORE triton is first imported (triton.language's own jit helpers are decorated then,
@@ -29,6 +30,7 @@ import pytest
 import torch
 
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
+from vllm_nemotron_spec.tiny import reference as ref
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -94,6 +96,23 @@ def make_head(vocab: int, rank: int, seed: int, *, raw_bytes: bool = False):
     )
 
 
+def reference_walk(base, anchor, w1, packed, scale, gs, *, bias_scale=1.0, forced_tokens=None):
+    """The reference walk (:func:`vllm_nemotron_spec.tiny.reference.markov_walk`) on the packed
+    NVFP4 head, dequantized to fp32: ``(tokens [B, gamma], logits [B, gamma, V] fp32)``."""
+    dense = nvfp4.dequantize(packed, scale, gs, dtype=torch.float32)
+    return ref.markov_walk(
+        base, anchor, w1, dense, bias_scale=bias_scale, forced_tokens=forced_tokens
+    )
+
+
+def reference_step(base, prev, w1, packed, scale, gs, *, bias_scale=1.0):
+    """One step of :func:`reference_walk`: ``(tokens [B], logits [B, V] fp32)``."""
+    tokens, logits = reference_walk(
+        base[:, None], prev, w1, packed, scale, gs, bias_scale=bias_scale
+    )
+    return tokens[:, 0], logits[:, 0]
+
+
 def error_bound(prev, w1, w2_dense, logits_ref, bias_scale=1.0):
     """fp32 error bound of one implementation: (r + 4) u sum_k |e_k w_k| + u |logit| (float64)."""
     emb = w1[prev.long()].double()
@@ -123,11 +142,13 @@ def test_reference_is_the_dequantized_dense_computation(base_dtype):
     g = torch.Generator().manual_seed(2)
     base = torch.randn(4, 512, generator=g).to(base_dtype)
     prev = torch.randint(0, 512, (4,), generator=g)
-    tokens, logits = mk.markov_greedy_step_reference(
-        base, prev, w1, packed, scale, gs, return_logits=True
-    )
+    tokens, logits = reference_step(base, prev, w1, packed, scale, gs)
     dense = nvfp4.dequantize(packed, scale, gs, dtype=torch.float32)
-    expected = base.float() + w1[prev].float() @ dense.T
+    head = ref.MarkovHead(512, 32, 512)  # the draft module's head, as the trainer runs it
+    with torch.no_grad():
+        head.markov_w1.weight.copy_(w1.float())
+        head.markov_w2.weight.copy_(dense)
+        expected = base.float() + head(prev)
     assert torch.equal(logits, expected)  # bit for bit: the same fp32 ops
     assert torch.equal(tokens, expected.argmax(-1))
     # and the fp32 result is within the fp32 bound of the exact (float64) value
@@ -141,16 +162,19 @@ def test_reference_walk_is_the_composition_of_steps():
     g = torch.Generator().manual_seed(4)
     base = torch.randn(2, 5, 256, generator=g)
     anchor = torch.randint(0, 256, (2,), generator=g)
-    tokens, logits = mk.markov_walk_greedy_reference(
-        base, anchor, w1, packed, scale, gs, return_logits=True
-    )
+    tokens, logits = reference_walk(base, anchor, w1, packed, scale, gs)
     prev = anchor
     for k in range(5):
-        tok, lg = mk.markov_greedy_step_reference(
-            base[:, k], prev, w1, packed, scale, gs, return_logits=True
-        )
+        tok, lg = reference_step(base[:, k], prev, w1, packed, scale, gs)
         assert torch.equal(tok, tokens[:, k]) and torch.equal(lg, logits[:, k])
         prev = tok
+    # teacher forcing with the walk's own tokens is the walk; with other tokens, other steps
+    forced = reference_walk(base, anchor, w1, packed, scale, gs, forced_tokens=tokens)
+    assert torch.equal(forced[0], tokens) and torch.equal(forced[1], logits)
+    other = (tokens + 1) % 256
+    _, lg = reference_walk(base, anchor, w1, packed, scale, gs, forced_tokens=other)
+    _, lg1 = reference_step(base[:, 1], other[:, 0], w1, packed, scale, gs)
+    assert torch.equal(lg[:, 1], lg1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,9 +205,7 @@ def test_step_matches_reference(batch, raw_bytes, variant):
     base = (3 * torch.randn(batch, V, generator=g)).to(torch.bfloat16).to(DEVICE)
     prev = torch.randint(0, V, (batch,), generator=g).to(DEVICE)
     dense = nvfp4.dequantize(packed, scale, gs, dtype=torch.float32)
-    ref_tok, ref_logits = mk.markov_greedy_step_reference(
-        base, prev, w1, packed, scale, gs, return_logits=True, w2_dense=dense
-    )
+    ref_tok, ref_logits = reference_step(base, prev, w1, packed, scale, gs)
     bound = error_bound(prev, w1, dense, ref_logits)
     assert_argmax_not_near_tie(ref_logits, bound)
 
@@ -226,9 +248,7 @@ def test_step_configs_and_ragged_vocab(config):
     g = torch.Generator().manual_seed(6)
     base = torch.randn(3, vocab, generator=g).to(DEVICE)  # fp32 base logits
     prev = torch.randint(0, vocab, (3,), generator=g, dtype=torch.int32).to(DEVICE)
-    ref_tok, ref_logits = mk.markov_greedy_step_reference(
-        base, prev, w1, packed, scale, gs, return_logits=True, bias_scale=0.5
-    )
+    ref_tok, ref_logits = reference_step(base, prev, w1, packed, scale, gs, bias_scale=0.5)
     dense = nvfp4.dequantize(packed, scale, gs)
     bound = error_bound(prev, w1, dense, ref_logits, bias_scale=0.5)
     assert_argmax_not_near_tie(ref_logits, bound)
@@ -289,8 +309,8 @@ def test_walk_matches_reference(batch, gamma, variant):
     assert tokens.data_ptr() == draft_tokens.data_ptr()
     assert bool((draft_tokens[batch:] == -1).all())
     # teacher-forced reference: every step given the kernel's previous token
-    ref_tokens, ref_logits = mk.markov_walk_greedy_reference(
-        base, anchor, w1, packed, scale, gs, return_logits=True, forced_tokens=tokens, w2_dense=dense
+    ref_tokens, ref_logits = reference_walk(
+        base, anchor, w1, packed, scale, gs, forced_tokens=tokens
     )  # fmt: skip
     prevs = torch.cat([anchor.long()[:, None], tokens[:, :-1]], dim=1)
     for k in range(gamma):
@@ -300,7 +320,7 @@ def test_walk_matches_reference(batch, gamma, variant):
         assert bool((err <= 2 * bound).all())
     assert torch.equal(tokens.cpu(), ref_tokens.cpu())
     # and free-running: the same walk
-    free, _ = mk.markov_walk_greedy_reference(base, anchor, w1, packed, scale, gs, w2_dense=dense)
+    free, _ = reference_walk(base, anchor, w1, packed, scale, gs)
     assert torch.equal(tokens.cpu(), free.cpu())
     # greedy-only walk (no logits), interleaved w1, default output
     assert torch.equal(
@@ -330,8 +350,8 @@ def test_atomic_reduction_walk_equals_partials_walk(batch, gamma):
         out[reduction] = (tokens[:, :gamma].cpu(), logits.cpu())
     assert torch.equal(out["atomic"][0], out["partials"][0])
     assert torch.equal(out["atomic"][1], out["partials"][1])
-    ref, _ = mk.markov_walk_greedy_reference(base, anchor, w1, packed, scale, gs)
-    assert torch.equal(out["atomic"][0], ref.cpu())
+    want, _ = reference_walk(base, anchor, w1, packed, scale, gs)
+    assert torch.equal(out["atomic"][0], want.cpu())
 
 
 @kernel_test
@@ -348,8 +368,8 @@ def test_batch1_default_walk_at_the_real_rank():
     dense = nvfp4.dequantize(packed, scale, gs)
     tokens = mk.markov_walk_greedy(base, anchor, mk.permute_w1_columns(w1, cfg.phases), packed, scale,
                                    gs, w1_permuted=True)  # fmt: skip
-    ref_tokens, ref_logits = mk.markov_walk_greedy_reference(
-        base, anchor, w1, packed, scale, gs, return_logits=True, forced_tokens=tokens, w2_dense=dense
+    ref_tokens, ref_logits = reference_walk(
+        base, anchor, w1, packed, scale, gs, forced_tokens=tokens
     )  # fmt: skip
     prevs = torch.cat([anchor.long()[:, None], tokens[:, :-1]], dim=1)
     for k in range(gamma):
@@ -369,9 +389,7 @@ def test_several_chunks_over_the_rank(variant):
     g = torch.Generator().manual_seed(10)
     base = torch.randn(2, vocab, generator=g).to(DEVICE)
     prev = torch.randint(0, vocab, (2,), generator=g).to(DEVICE)
-    ref_tok, ref_logits = mk.markov_greedy_step_reference(
-        base, prev, w1, packed, scale, gs, return_logits=True
-    )
+    ref_tok, ref_logits = reference_step(base, prev, w1, packed, scale, gs)
     bound = error_bound(prev, w1, nvfp4.dequantize(packed, scale, gs), ref_logits)
     assert_argmax_not_near_tie(ref_logits, bound)
     logits_out = torch.empty(2, vocab, device=DEVICE)
@@ -507,8 +525,8 @@ def test_cuda_real_shapes_walk(batch, variant):
         base, anchor, mk.permute_w1_columns(w1, cfg.phases), packed, scale, gs, config=cfg,
         w1_permuted=True,
     )  # fmt: skip
-    ref_tokens, ref_logits = mk.markov_walk_greedy_reference(
-        base, anchor, w1, packed, scale, gs, return_logits=True, forced_tokens=tokens, w2_dense=dense
+    ref_tokens, ref_logits = reference_walk(
+        base, anchor, w1, packed, scale, gs, forced_tokens=tokens
     )  # fmt: skip
     mismatch = tokens != ref_tokens
     if bool(mismatch.any()):  # allowed only at a near-tie of the reference

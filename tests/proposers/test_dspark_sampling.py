@@ -186,3 +186,28 @@ def _with_temperature(meta, t):
     import dataclasses
 
     return dataclasses.replace(meta, temperature=torch.full_like(meta.temperature, t))
+
+
+def test_greedy_walk_is_the_reference_walk():
+    """The proposer's walk with a greedy step drafts, step by step, what the plain-torch reference
+    walk (tiny/reference.py) drafts from the same base logits, anchors and Markov head."""
+    from types import SimpleNamespace
+
+    from vllm_nemotron_spec.tiny import reference as ref
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, rank, gamma = 64, 8, 5
+    head = ref.MarkovHead(vocab, rank, vocab)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    model = SimpleNamespace(markov_embed=head.markov_w1, markov_bias=head.markov_w2)
+    base = 3 * torch.randn(6, gamma, vocab, generator=gen)
+    anchors = torch.randint(0, vocab, (6,), generator=gen)
+    with torch.no_grad():
+        ids, probs = markov_walk(model, base, anchors, lambda x: (x.argmax(dim=-1), None))
+        want, logits = ref.markov_walk(base, anchors, head.markov_w1.weight, head.markov_w2.weight)
+    assert probs == [None] * gamma
+    assert torch.equal(ids, want)
+    # the bias matters: without it the drafts would be the base argmax
+    assert not torch.equal(want, base.argmax(dim=-1))

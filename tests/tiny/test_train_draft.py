@@ -13,6 +13,7 @@ import torch
 from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 from vllm_nemotron_spec.tiny import drafts
+from vllm_nemotron_spec.tiny import reference as ref
 from vllm_nemotron_spec.tiny import train_draft as td
 from vllm_nemotron_spec.tiny.target import TargetParams, make_config
 
@@ -75,7 +76,7 @@ def _draft_config(kind=layout.DFLASH) -> dict:
 def _draft(config: dict | None = None, seed: int = 0):
     config = config or _draft_config()
     spec = DraftSpec.from_config(config)
-    model = td.DFlashDraft(spec)
+    model = ref.DFlashDraft(spec)
     state = drafts.init_draft_state_dict(config, seed)
     # The trainer's module is the DFlash backbone; DSpark's Markov head is not part of it yet.
     model.load_state_dict({k: v for k, v in state.items() if not k.startswith("markov_head.")})
@@ -168,7 +169,7 @@ def test_rope_matches_vllm(tmp_path, kind):
             dtype=torch.float32,
         )
     positions = torch.tensor([0, 1, 5, 17, 255, 256, 1000, 4095])
-    cos, sin = td.rope_cos_sin(spec.head_dim, spec.rope_theta, spec.rope_scaling, positions)
+    cos, sin = ref.rope_cos_sin(spec.head_dim, spec.rope_theta, spec.rope_scaling, positions)
     torch.testing.assert_close(torch.cat([cos, sin], -1), rope.cos_sin_cache[positions])
     if kind == layout.DFLASH:
         assert cos[1].abs().max() > 1.0  # YaRN's mscale multiplies cos and sin
@@ -176,8 +177,8 @@ def test_rope_matches_vllm(tmp_path, kind):
     k = torch.randn(len(positions), spec.num_key_value_heads * spec.head_dim)
     q_ref, k_ref = rope.forward_native(positions, q.clone(), k.clone())
     view = lambda x: x.view(len(positions), -1, spec.head_dim)  # noqa: E731
-    torch.testing.assert_close(td.apply_rope(view(q), cos, sin).flatten(1), q_ref)
-    torch.testing.assert_close(td.apply_rope(view(k), cos, sin).flatten(1), k_ref)
+    torch.testing.assert_close(ref.apply_rope(view(q), cos, sin).flatten(1), q_ref)
+    torch.testing.assert_close(ref.apply_rope(view(k), cos, sin).flatten(1), k_ref)
 
 
 # ------------------------------------------------------------------------------------------
@@ -198,21 +199,21 @@ def test_reference_forward_shapes():
     model, spec = _draft()
     tokens, aux = _inputs(S=2, T=24)
     anchors = torch.tensor([[3, 9, 14], [5, 6, 19]])
-    hidden = td.reference_dflash_forward(model, aux, tokens, anchors, 5)
+    hidden = ref.draft_forward(model, aux, tokens, anchors, 5)
     assert hidden.shape == (2, 3, 5, HIDDEN)
     lm_head = torch.randn(VOCAB, HIDDEN)
-    assert td.draft_logits(hidden, lm_head).shape == (2, 3, 5, VOCAB)
+    assert ref.draft_logits(hidden, lm_head).shape == (2, 3, 5, VOCAB)
 
 
 def test_block_inputs_are_bonus_then_masks_at_consecutive_positions():
     tokens = torch.arange(10, 30)[None]
-    ids, pos = td.block_inputs(tokens, torch.tensor([[4, 11]]), 5, MASK)
+    ids, pos = ref.block_inputs(tokens, torch.tensor([[4, 11]]), 5, MASK)
     assert ids.tolist() == [[[14, MASK, MASK, MASK, MASK], [21, MASK, MASK, MASK, MASK]]]
     assert pos.tolist() == [[[4, 5, 6, 7, 8], [11, 12, 13, 14, 15]]]
 
 
 def test_mask_context_before_anchor_and_own_block_only():
-    allowed = td.block_attention_mask(torch.tensor([[3, 6]]), 3, context_len=8)[0]
+    allowed = ref.block_attention_mask(torch.tensor([[3, 6]]), 3, context_len=8)[0]
     assert allowed.shape == (6, 8 + 6)
     ctx, blk = allowed[:, :8], allowed[:, 8:]
     assert ctx[:3].tolist() == [[True] * 3 + [False] * 5] * 3  # block at L=3: context 0..2
@@ -222,7 +223,7 @@ def test_mask_context_before_anchor_and_own_block_only():
 
 
 def test_mask_causal_and_sliding_window():
-    allowed = td.block_attention_mask(torch.tensor([[5]]), 3, 6, causal=True, sliding_window=4)[0]
+    allowed = ref.block_attention_mask(torch.tensor([[5]]), 3, 6, causal=True, sliding_window=4)[0]
     # query positions 5, 6, 7; keys: context 0..5 (only < 5 valid), block 5, 6, 7.
     assert allowed[:, :6].tolist() == [
         [False, False, True, True, True, False],  # p=5 sees positions > 1
@@ -240,20 +241,20 @@ def test_block_cannot_see_context_at_or_after_its_anchor():
     model, _ = _draft()
     tokens, aux = _inputs(S=1, T=20)
     anchors = torch.tensor([[7, 12]])
-    base = td.reference_dflash_forward(model, aux, tokens, anchors, 4)
+    base = ref.draft_forward(model, aux, tokens, anchors, 4)
     later = aux.clone()
     later[:, 7:] += torch.randn_like(later[:, 7:])  # the context at and after L = 7
-    changed = td.reference_dflash_forward(model, later, tokens, anchors, 4)
+    changed = ref.draft_forward(model, later, tokens, anchors, 4)
     torch.testing.assert_close(changed[:, 0], base[:, 0], rtol=0, atol=0)
     assert not torch.allclose(changed[:, 1], base[:, 1])  # L = 12 sees positions 7..11
     earlier = aux.clone()
     earlier[:, 6] += 1.0  # the last context token of the block at L = 7
-    moved = td.reference_dflash_forward(model, earlier, tokens, anchors, 4)
+    moved = ref.draft_forward(model, earlier, tokens, anchors, 4)
     assert not torch.allclose(moved[:, 0], base[:, 0])
     # Tokens are used only as the bonus of each block: a token inside the context does not matter.
     other = tokens.clone()
     other[0, 3] = (other[0, 3] + 1) % VOCAB
-    torch.testing.assert_close(td.reference_dflash_forward(model, aux, other, anchors, 4), base)
+    torch.testing.assert_close(ref.draft_forward(model, aux, other, anchors, 4), base)
 
 
 def test_batched_blocks_equal_one_vllm_step_each():
@@ -262,9 +263,9 @@ def test_batched_blocks_equal_one_vllm_step_each():
     model, _ = _draft()
     tokens, aux = _inputs(S=1, T=20)
     anchors = torch.tensor([[4, 9, 15]])
-    joint = td.reference_dflash_forward(model, aux, tokens, anchors, 5)
+    joint = ref.draft_forward(model, aux, tokens, anchors, 5)
     for k, L in enumerate(anchors[0].tolist()):
-        alone = td.reference_dflash_forward(
+        alone = ref.draft_forward(
             model, aux[:, : L + 1], tokens[:, : L + 1], torch.tensor([[L]]), 5
         )
         torch.testing.assert_close(joint[:, k], alone[:, 0], rtol=1e-5, atol=1e-5)
@@ -275,14 +276,14 @@ def test_non_causal_inside_the_block():
     anchors = torch.tensor([[8]])
     model, _ = _draft()
     # Non-causal (DFlash): the anchor row sees the mask rows, so the block size changes it.
-    short = td.reference_dflash_forward(model, aux, tokens, anchors, 3)
-    long = td.reference_dflash_forward(model, aux, tokens, anchors, 5)
+    short = ref.draft_forward(model, aux, tokens, anchors, 3)
+    long = ref.draft_forward(model, aux, tokens, anchors, 5)
     assert not torch.allclose(short[:, :, 0], long[:, :, 0])
     # Causal (DSpark's attention, with its sliding window and sinks): row r sees rows <= r only.
     causal, spec = _draft(_draft_config(layout.DSPARK))
     assert spec.causal and spec.sliding_window == 6 and spec.has_attention_sinks
-    short = td.reference_dflash_forward(causal, aux, tokens, anchors, 3)
-    long = td.reference_dflash_forward(causal, aux, tokens, anchors, 5)
+    short = ref.draft_forward(causal, aux, tokens, anchors, 3)
+    long = ref.draft_forward(causal, aux, tokens, anchors, 5)
     torch.testing.assert_close(short, long[:, :, :3], rtol=1e-5, atol=1e-5)
 
 
@@ -291,7 +292,7 @@ def test_sinks_only_add_to_the_softmax_denominator():
     q, k, v = (torch.randn(1, 3, 2, 8, generator=g) for _ in range(3))
     allowed = torch.ones(1, 3, 3, dtype=torch.bool)
     sinks = torch.tensor([0.5, -1.0])
-    got = td.attention(q, k, v, allowed, sinks).view(1, 3, 2, 8)
+    got = ref.attention(q, k, v, allowed, sinks).view(1, 3, 2, 8)
     scores = torch.einsum("sqhd,skhd->shqk", q, k) / 8**0.5
     logits = torch.cat([scores, sinks.view(1, 2, 1, 1).expand(1, 2, 3, 1)], -1)
     probs = torch.softmax(logits, -1)[..., :-1]
@@ -302,11 +303,9 @@ def test_propose_takes_rows_one_to_gamma():
     model, _ = _draft()
     tokens, aux = _inputs(S=1, T=12)
     lm_head = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(3))
-    drafted = td.reference_dflash_propose(
-        model, lm_head, aux[0, :9], tokens[0, :9], int(tokens[0, 9]), 3
-    )
-    hidden = td.reference_dflash_forward(model, aux[:, :10], tokens[:, :10], torch.tensor([[9]]), 4)
-    assert drafted == td.draft_logits(hidden[0, 0, 1:], lm_head).argmax(-1).tolist()
+    drafted = ref.dflash_propose(model, lm_head, aux[0, :9], tokens[0, :9], int(tokens[0, 9]), 3)
+    hidden = ref.draft_forward(model, aux[:, :10], tokens[:, :10], torch.tensor([[9]]), 4)
+    assert drafted == ref.draft_logits(hidden[0, 0, 1:], lm_head).argmax(-1).tolist()
     assert len(drafted) == 3
 
 

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 from vllm_nemotron_spec.tiny import drafts
+from vllm_nemotron_spec.tiny import reference as ref
 from vllm_nemotron_spec.tiny import train_draft as td
 
 MASK = 4
@@ -49,9 +50,9 @@ def _config(sample_from_anchor: bool = False) -> dict:
     return config
 
 
-def _draft(sample_from_anchor: bool = False, seed: int = 0) -> td.DSparkDraft:
+def _draft(sample_from_anchor: bool = False, seed: int = 0) -> ref.DSparkDraft:
     config = _config(sample_from_anchor)
-    model = td.DSparkDraft(DraftSpec.from_config(config))
+    model = ref.DSparkDraft(DraftSpec.from_config(config))
     model.load_state_dict(drafts.init_draft_state_dict(config, seed))
     return model.eval()
 
@@ -123,19 +124,19 @@ def test_attention_matches_vllm_cpu_kernel():
         sinks,
     )
     anchors = torch.tensor([[L]])
-    dense = td.attention(
-        q, k, v, td.block_attention_mask(anchors, B, L, causal=True, sliding_window=W), sinks
+    dense = ref.attention(
+        q, k, v, ref.block_attention_mask(anchors, B, L, causal=True, sliding_window=W), sinks
     )
     torch.testing.assert_close(dense.view(B, nh, hd), expected, rtol=1e-5, atol=1e-5)
 
     def in_window(x):  # the W - 1 context positions before L, then the block
         return torch.cat([x[:, L - W + 1 : L], x[:, L:]], dim=1)
 
-    per_block = td.attention(
+    per_block = ref.attention(
         q,
         in_window(k),
         in_window(v),
-        td.windowed_block_attention_mask(anchors, B, W, causal=True),
+        ref.windowed_block_attention_mask(anchors, B, W, causal=True),
         sinks,
     )
     torch.testing.assert_close(per_block.view(B, nh, hd), expected, rtol=1e-5, atol=1e-5)
@@ -143,8 +144,8 @@ def test_attention_matches_vllm_cpu_kernel():
 
 def test_windowed_mask_is_the_dense_mask_restricted_to_the_window():
     anchors = torch.tensor([[3, 9]])  # L = 3: part of the window lies before position 0
-    per_block = td.windowed_block_attention_mask(anchors, 3, 4, causal=True).view(2, 3, 3 + 3)
-    dense = td.block_attention_mask(anchors, 3, 12, causal=True, sliding_window=4)[0]
+    per_block = ref.windowed_block_attention_mask(anchors, 3, 4, causal=True).view(2, 3, 3 + 3)
+    dense = ref.block_attention_mask(anchors, 3, 12, causal=True, sliding_window=4)[0]
     for k, L in enumerate(anchors[0].tolist()):
         rows = dense[3 * k : 3 * k + 3]
         ctx_pos = torch.arange(L - 3, L)
@@ -158,13 +159,13 @@ def test_windowed_forward_equals_the_dense_mask_forward():
     model = _draft()
     tokens, aux = _inputs(S=2, T=30)
     anchors = torch.tensor([[2, 11, 25], [5, 6, 20]])  # some windows reach before position 0
-    fast = td.reference_dflash_forward(model, aux, tokens, anchors, 4)
-    dense = td.reference_dflash_forward(model, aux, tokens, anchors, 4, dense_mask=True)
+    fast = ref.draft_forward(model, aux, tokens, anchors, 4)
+    dense = ref.draft_forward(model, aux, tokens, anchors, 4, dense_mask=True)
     torch.testing.assert_close(fast, dense, rtol=1e-5, atol=1e-5)
     # The window hides context before L - (WINDOW - 1) from every row of the block at L.
     old = aux.clone()
     old[:, : 20 - (WINDOW - 1)] += 1.0  # before the windows of L = 25 and L = 20
-    moved = td.reference_dflash_forward(model, old, tokens, anchors[:, 2:], 4)
+    moved = ref.draft_forward(model, old, tokens, anchors[:, 2:], 4)
     torch.testing.assert_close(moved, fast[:, 2:], rtol=1e-5, atol=1e-5)
 
 
@@ -177,17 +178,24 @@ def test_bonus_layout_drops_row_zero_and_anchor_layout_uses_it():
     tokens, aux = _inputs(S=1, T=20)
     anchors, lm_head = torch.tensor([[9, 14]]), _lm_head()
     bonus, anchor = _draft(), _draft(sample_from_anchor=True)  # same weights, two layouts
-    u_bonus = td.reference_dspark_base_logits(bonus, lm_head, aux, tokens, anchors, 3)
-    u_anchor = td.reference_dspark_base_logits(anchor, lm_head, aux, tokens, anchors, 3)
+    u_bonus = ref.dspark_base_logits(bonus, lm_head, aux, tokens, anchors, 3)
+    u_anchor = ref.dspark_base_logits(anchor, lm_head, aux, tokens, anchors, 3)
     # Bonus anchor: [b, MASK x 3] at L .. L+3, U_k from row k (the MASK at L + k).
-    rows = td.reference_dflash_forward(bonus, aux, tokens, anchors, 4)
-    torch.testing.assert_close(u_bonus, td.draft_logits(rows[:, :, 1:], lm_head))
+    rows = ref.draft_forward(bonus, aux, tokens, anchors, 4)
+    torch.testing.assert_close(u_bonus, ref.draft_logits(rows[:, :, 1:], lm_head))
     # Anchor layout: [b, MASK x 2] at L .. L+2, U_k from row k - 1 (row r predicts L + r + 1).
-    rows = td.reference_dflash_forward(anchor, aux, tokens, anchors, 3)
-    torch.testing.assert_close(u_anchor, td.draft_logits(rows, lm_head))
+    rows = ref.draft_forward(anchor, aux, tokens, anchors, 3)
+    torch.testing.assert_close(u_anchor, ref.draft_logits(rows, lm_head))
     # Causal blocks: the anchor layout's U_k is the bonus layout's U_{k-1}, one row off.
     torch.testing.assert_close(u_anchor[:, :, 1:], u_bonus[:, :, :-1], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(u_anchor, u_bonus)
+
+
+def _walk(model, base, bonus):
+    """The reference walk with ``model``'s Markov head."""
+    head = model.markov_head
+    with torch.no_grad():
+        return ref.markov_walk(base, bonus, head.markov_w1.weight, head.markov_w2.weight)
 
 
 def test_markov_walk_feeds_each_draft_to_the_next_position():
@@ -195,7 +203,7 @@ def test_markov_walk_feeds_each_draft_to_the_next_position():
     g = torch.Generator().manual_seed(5)
     base = torch.randn(3, 4, VOCAB, generator=g)
     bonus = torch.tensor([7, 8, 9])
-    drafted, logits = td.markov_walk(model, base, bonus)
+    drafted, logits = _walk(model, base, bonus)
     w1, w2 = model.markov_head.markov_w1.weight, model.markov_head.markov_w2.weight
     with torch.no_grad():
         prev = bonus
@@ -205,7 +213,7 @@ def test_markov_walk_feeds_each_draft_to_the_next_position():
             assert torch.equal(drafted[:, k], expected.argmax(-1))
             prev = drafted[:, k]
     # The bias depends on the previous token: another bonus changes the first position's logits.
-    _, other = td.markov_walk(model, base, torch.tensor([10, 8, 9]))
+    _, other = _walk(model, base, torch.tensor([10, 8, 9]))
     assert not torch.allclose(other[0, 0], logits[0, 0]) and torch.equal(other[1:], logits[1:])
 
 
@@ -214,7 +222,7 @@ def test_walk_without_markov_bias_is_the_argmax_of_the_base_logits():
     with torch.no_grad():
         model.markov_head.markov_w2.weight.zero_()
     base = torch.randn(2, 4, VOCAB, generator=torch.Generator().manual_seed(6))
-    drafted, logits = td.markov_walk(model, base, torch.tensor([5, 6]))
+    drafted, logits = _walk(model, base, torch.tensor([5, 6]))
     assert torch.equal(drafted, base.argmax(-1))
     torch.testing.assert_close(logits, base, rtol=0, atol=0)
 
@@ -225,7 +233,7 @@ def test_teacher_forcing_is_the_walk_when_every_draft_is_right():
     model, lm_head = _draft(), _lm_head()
     tokens, aux = _inputs(S=1, T=20)
     L, gamma = 12, 4
-    drafted, walk_logits = td.reference_dspark_propose(
+    drafted, walk_logits = ref.dspark_propose(
         model, lm_head, aux[0, :L], tokens[0, :L], int(tokens[0, L]), gamma
     )
     along = tokens.clone()
@@ -242,17 +250,17 @@ def test_propose_uses_the_context_window_and_the_bonus():
     model, lm_head = _draft(), _lm_head()
     tokens, aux = _inputs(S=1, T=20)
     L = 15
-    drafted, logits = td.reference_dspark_propose(
+    drafted, logits = ref.dspark_propose(
         model, lm_head, aux[0, :L], tokens[0, :L], int(tokens[0, L]), 3
     )
     older = aux.clone()
     older[0, : L - (WINDOW - 1)] += 3.0  # outside the window: no effect
-    same, same_logits = td.reference_dspark_propose(
+    same, same_logits = ref.dspark_propose(
         model, lm_head, older[0, :L], tokens[0, :L], int(tokens[0, L]), 3
     )
     assert same == drafted
     torch.testing.assert_close(same_logits, logits, rtol=1e-5, atol=1e-5)
-    _, other = td.reference_dspark_propose(
+    _, other = ref.dspark_propose(
         model, lm_head, aux[0, :L], tokens[0, :L], (int(tokens[0, L]) + 1) % VOCAB, 3
     )
     assert not torch.allclose(other, logits)
@@ -315,7 +323,7 @@ def fresh_data(tiny_family, trained):
 def _acceptance(path, tiny_family, data, gamma):
     from vllm_nemotron_spec._torch import deterministic_torch
 
-    model, _ = td.load_draft_module(path)
+    model, _ = ref.load_draft_module(path)
     with deterministic_torch(1):
         return td.offline_dspark_acceptance(
             model, td.target_lm_head(tiny_family.target), data, gamma
@@ -384,20 +392,18 @@ def test_markov_head_is_stored_as_in_the_official_checkpoint(tiny_family, traine
 
 
 def test_reference_propose_is_the_offline_walk(tiny_family, trained, fresh_data):
-    """One step of :func:`reference_dspark_propose` (how an engine test calls it) drafts what
+    """One step of :func:`~vllm_nemotron_spec.tiny.reference.dspark_propose` (how an engine test calls it) drafts what
     the offline acceptance walk drafts at the same anchor."""
-    model, _ = td.load_draft_module(trained.dspark)
+    model, _ = ref.load_draft_module(trained.dspark)
     lm_head = td.target_lm_head(tiny_family.target)
     s, gamma = 0, 3
     L = int(fresh_data.prompt_lens[s]) + 5
     tokens, aux = fresh_data.tokens[s], fresh_data.aux[s]
-    drafted, logits = td.reference_dspark_propose(
-        model, lm_head, aux[:L], tokens[:L], int(tokens[L]), gamma
-    )
+    drafted, logits = ref.dspark_propose(model, lm_head, aux[:L], tokens[:L], int(tokens[L]), gamma)
     with torch.no_grad():
-        base = td.reference_dspark_base_logits(
+        base = ref.dspark_base_logits(
             model, lm_head, aux[None], tokens[None], torch.tensor([[L]]), gamma
         )
-        walk, walk_logits = td.markov_walk(model, base[0], tokens[L : L + 1])
+        walk, walk_logits = _walk(model, base[0], tokens[L : L + 1])
     assert drafted == walk[0].tolist()
     torch.testing.assert_close(logits, walk_logits[0], rtol=1e-4, atol=1e-4)

@@ -42,8 +42,9 @@ Arithmetic (fp32 accumulation everywhere):
   ones overflow (markov_w1 values are O(1)).
 * The sum over ``r`` is in fp32 in the tensor cores' order; the global scale (times ``bias_scale``,
   vLLM's LogitsProcessor scale) multiplies the sum once; ``U`` is added in fp32.
-* The reference multiplies each weight by the global scale first (``format.dequantize``: one
-  rounding per weight) and sums in torch's order. Both are fp32 sums of the same ``r`` products up to
+* The plain-torch reference (``tiny/reference.py: markov_walk``, which the tests compare against)
+  multiplies each weight by the global scale first (``format.dequantize``: one rounding per weight)
+  and sums in torch's order. Both are fp32 sums of the same ``r`` products up to
   those roundings: they differ by a few fp32 ulps of ``sum |emb * w|``.
 * Ties: argmax keeps the LOWEST index among equal maxima, within a tile (``tie_break_left``),
   across tiles (strict ``>``) and across programs (min index among the maxima), as ``torch.argmax``.
@@ -55,8 +56,7 @@ Arithmetic (fp32 accumulation everywhere):
   handled (torch would return the NaN's index). Without native fp8 conversion (pre-sm_89) the fp8
   decoder maps the e4m3 NaN codes (0x7F, 0xFF) to +-480; valid checkpoints have no NaN scales.
 
-Public API: :func:`markov_greedy_step_reference`, :func:`markov_walk_greedy_reference` (torch),
-:func:`markov_greedy_step` (one step, optional corrected-logits output for sampling),
+Public API: :func:`markov_greedy_step` (one step, optional corrected-logits output for sampling),
 :func:`markov_walk_greedy` (``gamma`` greedy steps from the anchor tokens, optional logits output),
 :class:`MarkovKernelConfig` / :func:`default_config` (launch parameters), :func:`permute_w1_columns`
 (markov_w1 columns grouped by phase, for contiguous embedding loads: do it once at load time).
@@ -71,101 +71,10 @@ import torch
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 
 # ---------------------------------------------------------------------------------------------
-# torch reference
-# ---------------------------------------------------------------------------------------------
-
-
-def markov_bias_reference(
-    prev_ids: torch.Tensor,
-    w1: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor | float,
-    *,
-    bias_scale: float = 1.0,
-    w2_dense: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The Markov bias ``markov_w2(markov_w1[prev])`` in fp32, ``[B, V]``.
-
-    ``w2_dense`` (fp32 ``format.dequantize`` of the three tensors) may be passed to skip the
-    dequantization; it must be exactly that tensor."""
-    emb = w1[prev_ids.long()].to(torch.float32)
-    if w2_dense is None:
-        w2_dense = nvfp4.dequantize(w2_packed, w2_scale, w2_global, dtype=torch.float32)
-    bias = emb @ w2_dense.to(torch.float32).T
-    if bias_scale != 1.0:
-        bias = bias * bias_scale
-    return bias
-
-
-def markov_greedy_step_reference(
-    base_logits: torch.Tensor,
-    prev_ids: torch.Tensor,
-    w1: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor | float,
-    *,
-    bias_scale: float = 1.0,
-    return_logits: bool = False,
-    w2_dense: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One greedy Markov step in plain torch (fp32): ``(token_ids [B] int64, logits [B, V] fp32 or
-    None)`` with ``logits = float(base_logits) + emb @ dequantize(w2).T`` and ``token = argmax``."""
-    if base_logits.dim() != 2:
-        raise ValueError(f"base_logits must be [B, V], got {tuple(base_logits.shape)}")
-    bias = markov_bias_reference(
-        prev_ids, w1, w2_packed, w2_scale, w2_global, bias_scale=bias_scale, w2_dense=w2_dense
-    )
-    logits = base_logits.to(torch.float32) + bias
-    tokens = logits.argmax(dim=-1)
-    return tokens, (logits if return_logits else None)
-
-
-def markov_walk_greedy_reference(
-    base_logits: torch.Tensor,
-    anchor_ids: torch.Tensor,
-    w1: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w2_global: torch.Tensor | float,
-    *,
-    bias_scale: float = 1.0,
-    return_logits: bool = False,
-    forced_tokens: torch.Tensor | None = None,
-    w2_dense: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The greedy walk over ``gamma = base_logits.shape[1]`` steps in torch: ``(tokens [B, gamma]
-    int64, logits [B, gamma, V] fp32 or None)``.
-
-    ``forced_tokens`` [B, gamma] (teacher forcing): step k's previous token is
-    ``forced_tokens[:, k-1]`` instead of the reference's own step k-1 token, so each step can be
-    compared with another implementation's step given the same previous token."""
-    if base_logits.dim() != 3:
-        raise ValueError(f"base_logits must be [B, gamma, V], got {tuple(base_logits.shape)}")
-    if w2_dense is None:
-        w2_dense = nvfp4.dequantize(w2_packed, w2_scale, w2_global, dtype=torch.float32)
-    gamma = base_logits.shape[1]
-    prev = anchor_ids.long()
-    tokens, all_logits = [], []
-    for k in range(gamma):
-        tok, logits = markov_greedy_step_reference(
-            base_logits[:, k], prev, w1, w2_packed, w2_scale, w2_global,
-            bias_scale=bias_scale, return_logits=True, w2_dense=w2_dense,
-        )  # fmt: skip
-        tokens.append(tok)
-        if return_logits:
-            all_logits.append(logits)
-        prev = tok if forced_tokens is None else forced_tokens[:, k].long()
-    out = torch.stack(tokens, dim=1)
-    return out, (torch.stack(all_logits, dim=1) if return_logits else None)
-
-
-# ---------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
 
-try:  # Triton is a GPU dependency; the reference above works without it.
+try:  # Triton is a GPU dependency; CPU installs may lack it.
     import triton
     import triton.language as tl
 

@@ -10,26 +10,24 @@
 
 Everything derives from the seed (corpus, tokenizer, target init and training, draft init), so
 the same seed gives byte-identical files on the same machine type. A complete family with the
-same seed, builder code and parameter hash is reused without rebuilding; a stale one is replaced
-only when it holds nothing but the files of its manifest. Builds go to a temporary sibling
-directory moved into place (:mod:`vllm_nemotron_spec.outputs`), under a file lock, so concurrent
-test sessions sharing the cache neither race nor see half-written families.
+same seed, builder code and parameter hash is reused without rebuilding (:mod:`.cache`: file
+lock, temporary sibling moved into place, a stale family replaced only when it holds nothing but
+the files of its manifest).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vllm_nemotron_spec.checkpoint.layout import DFLASH, DSPARK
-from vllm_nemotron_spec.outputs import atomic_output_dir, check_output_dir, manifest_files
+from vllm_nemotron_spec.tiny import cache
+from vllm_nemotron_spec.tiny.cache import MANIFEST
 from vllm_nemotron_spec.tiny.corpus import CorpusParams
 from vllm_nemotron_spec.tiny.drafts import DraftParams
 from vllm_nemotron_spec.tiny.target import TargetParams
@@ -40,7 +38,6 @@ BUILDER_SOURCES = ("tiny/*.py", "checkpoint/layout.py", "nvfp4/format.py", "_tor
 relative to the package). Their content hashes key the caches, so a changed builder never reuses
 an artifact built by older code."""
 
-MANIFEST = "manifest.json"
 REQUIRED_FILES = tuple(
     f"{d}/{f}"
     for d, names in {
@@ -139,73 +136,43 @@ def build_tiny_family(
     parameters (tests use a reduced spec); it is part of the cache key.
     """
     spec = spec or TinySpec()
-    outdir = Path(outdir).expanduser().resolve()
     seed = int(seed)
-    if not force and is_complete(outdir, seed, spec):
-        return TinyFamily.at(outdir)
-    check_family_dir(outdir, option="--force" if force else None)
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(outdir.parent / f".{outdir.name}.lock"):
-        # Another process may have built it while we waited for the lock.
-        if not force and is_complete(outdir, seed, spec):
-            return TinyFamily.at(outdir)
-        with atomic_output_dir(outdir) as tmp:
-            _build_into(tmp, seed, spec, progress)
-            _make_readable(tmp)
-    if not is_complete(outdir, seed, spec):
-        raise RuntimeError(f"tiny family in {outdir} is incomplete right after building it")
-    return TinyFamily.at(outdir)
-
-
-def _make_readable(root: Path) -> None:
-    """mkdtemp and some writers create owner-only files; give the family the usual modes (umask
-    respected) so a shared cache is readable."""
-    umask = os.umask(0)
-    os.umask(umask)
-    root.chmod(0o777 & ~umask)
-    for path in root.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def check_family_dir(outdir: str | Path, option: str | None = None) -> Path:
-    """``outdir`` resolved, if a family may be built there: new, empty, or a (possibly stale)
-    family holding only the files its manifest lists; else :class:`~vllm_nemotron_spec.outputs.
-    OutputError` (one line naming the path and why)."""
-    return check_output_dir(outdir, recognised=manifest_files(MANIFEST), option=option)
+    root = cache.cached_build(
+        outdir,
+        lambda tmp: _build_into(tmp, seed, spec, progress),
+        lambda path: is_complete(path, seed, spec),
+        force=force,
+        option="--force" if force else None,
+        what="tiny family",
+    )
+    return TinyFamily.at(root)
 
 
 def is_complete(outdir: str | Path, seed: int, spec: TinySpec | None = None) -> bool:
     """Whether ``outdir`` holds a complete family built with ``seed``, this builder version and
     these parameters (every file of the manifest present with its recorded size)."""
     spec = spec or TinySpec()
-    outdir = Path(outdir)
-    try:
-        manifest = json.loads((outdir / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    if (
-        manifest.get("builder_sources") != builder_source_hash()
-        or manifest.get("seed") != seed
-        or manifest.get("params_hash") != spec.params_hash()
-    ):
-        return False
-    files = manifest.get("files") or {}
-    if not all(rel in files for rel in REQUIRED_FILES):
-        return False
-    for rel, info in files.items():
-        path = outdir / rel
-        if not path.is_file() or path.stat().st_size != info.get("size"):
-            return False
-    return True
+    return cache.is_complete(outdir, _identity(seed, spec), REQUIRED_FILES)
 
 
-def _build_into(root: Path, seed: int, spec: TinySpec, progress: bool) -> None:
+def _identity(seed: int, spec: TinySpec) -> dict:
+    """The manifest fields that must match for a family to be reused."""
+    return {
+        "builder_sources": builder_source_hash(),
+        "seed": seed,
+        "params_hash": spec.params_hash(),
+    }
+
+
+def _build_into(root: Path, seed: int, spec: TinySpec, progress: bool) -> dict:
+    """Write the family of ``seed`` into ``root``; returns its manifest fields (the file table is
+    added by :func:`.cache.cached_build`)."""
     from vllm_nemotron_spec._torch import deterministic_torch
     from vllm_nemotron_spec.tiny import drafts, target, tokenizer
     from vllm_nemotron_spec.tiny.corpus import generate_documents
 
     t0 = time.monotonic()
-    _say(progress, f"building tiny Nemotron-3.5 family (seed {seed}) in {root.parent}")
+    cache.say(progress, f"building tiny Nemotron-3.5 family (seed {seed}) in {root.parent}")
     documents = generate_documents(seed, spec.corpus.num_docs)
     tok = tokenizer.train_tokenizer(documents, spec.tokenizer)
     tokenizer.save_tokenizer(tok, root / "tokenizer", spec.tokenizer)
@@ -217,45 +184,9 @@ def _build_into(root: Path, seed: int, spec: TinySpec, progress: bool) -> None:
     with deterministic_torch(1):
         for kind in (DFLASH, DSPARK):
             drafts.build_draft(root / kind, kind, target_dir, seed=seed, params=spec.draft)
-    manifest = {
-        "builder_sources": builder_source_hash(),
-        "seed": seed,
-        "params_hash": spec.params_hash(),
-        "params": spec.to_dict(),
-        "target_training": stats,
-        "files": _file_table(root),
-    }
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    _say(
+    cache.say(
         progress,
         f"built tiny family in {time.monotonic() - t0:.0f} s (target loss "
         f"{stats['first_loss']:.2f} -> {stats['final_loss']:.2f})",
     )
-
-
-def _file_table(root: Path) -> dict:
-    table = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        data = path.read_bytes()
-        table[path.relative_to(root).as_posix()] = {
-            "size": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-        }
-    return table
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    import fcntl
-
-    with open(path, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _say(progress: bool, message: str) -> None:
-    if progress:
-        print(message, file=sys.stderr, flush=True)
+    return {**_identity(seed, spec), "params": spec.to_dict(), "target_training": stats}
