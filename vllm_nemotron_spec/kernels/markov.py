@@ -474,13 +474,14 @@ class MarkovKernelConfig:
 
 def default_config(batch: int, rank: int = 512) -> MarkovKernelConfig:
     """The launch parameters chosen for ``batch`` rows, from H200 measurements (benchmarks/RESULTS.md,
-    2026-11-30, "the Markov walk's launch configs and atomic reduction"): the atomic (max, argmax) reduction and about four programs an SM at every batch.
+    "the Markov walk's launch configs and atomic reduction"): the atomic (max, argmax) reduction
+    and about four programs an SM at every batch.
 
     More resident programs hide more of the memory latency of streaming ``markov_w2`` (the
     one-chunk config takes all 255 registers a thread on sm_90, so two programs an SM leave 8
     warps); with the partials reduction each extra program also made every program of the next
     step read more partials, which ate the gain beyond batch 1. With the atomic reduction, gamma-3
-    walk, microseconds against the previous default (one chunk, two programs an SM, partials) and
+    walk, microseconds against one chunk with two programs an SM and the partials reduction, and
     vLLM 0.33's loop: batch 1 74.2 (79.8 / 121.0), 4 84.2 (116.6 / 132.7), 16 91.9 (128.2 / 195.3),
     32 114.5 (143.1 / 189.2).
 
