@@ -39,7 +39,7 @@ Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simulta
 ``--input-len`` random tokens (default 1024), ``--output-len`` tokens each (default 256, greedy,
 ignore_eos), measured ``--repeats`` times (default 3) in the same engine: the median repeat is
 reported, with the range of tokens/s in brackets (identical single runs in separate processes
-differed by up to 35% on a lent H200, 2026-11-30). Reported: output tokens/s (all output
+differed by up to 35% on a lent H200). Reported: output tokens/s (all output
 tokens / wall time of the generate call), TPOT (mean over requests of (last token time - first
 token time) / (tokens - 1), from vLLM's request stats), TTFT, measured mean acceptance length (vLLM's spec-decode counters), startup time, and
 draft time per step: GPU time of the drafter call per engine step from CUDA events around vLLM's

@@ -676,7 +676,7 @@ def method_draft(method: str, family) -> Path:
 class StartupCase:
     name: str
     field: str  # what the one-line error must name
-    xfail: str | None = None  # known gap: why it does not give the clear error yet
+    xfail: str | None = None  # known gap: why it does not give the clear error
     ci: bool = True  # in the CI size (else full size only)
 
 

@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import draft_configs as dc  # noqa: E402
-
-from vllm_nemotron_spec.checkpoint.headers import (  # noqa: E402
+from tests import draft_configs as dc
+from vllm_nemotron_spec.checkpoint.headers import (
     CheckpointError,
     check_tensors,
     read_checkpoint,
     read_safetensors_header,
     scan_checkpoint,
 )
-from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError  # noqa: E402
+from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 
 
 def checked(directory, cfg):

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import draft_configs as dc  # noqa: E402
-
-from vllm_nemotron_spec.checkpoint.spec import (  # noqa: E402
+from tests import draft_configs as dc
+from vllm_nemotron_spec.checkpoint.spec import (
     DraftSpec,
     DraftSpecError,
     get_sample_from_anchor,

@@ -5,16 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import draft_configs as dc  # noqa: E402
-
-from vllm_nemotron_spec.cli.main import main  # noqa: E402
+from tests import draft_configs as dc
+from vllm_nemotron_spec.cli.main import main
 
 
 def inspect(capsys, *argv) -> tuple[int, str, str]:

@@ -8,15 +8,12 @@ import json
 import os
 import shlex
 import shutil
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import draft_configs as dc  # noqa: E402
-
-from vllm_nemotron_spec.checkpoint.inspect import serve_program  # noqa: E402
-from vllm_nemotron_spec.cli.main import main  # noqa: E402
+from tests import draft_configs as dc
+from vllm_nemotron_spec.checkpoint.inspect import serve_program
+from vllm_nemotron_spec.cli.main import main
 
 
 def run(capsys, *argv):

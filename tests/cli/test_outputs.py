@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import draft_configs as dc  # noqa: E402
-
-from vllm_nemotron_spec import outputs  # noqa: E402
-from vllm_nemotron_spec.cli.main import main  # noqa: E402
+from tests import draft_configs as dc
+from vllm_nemotron_spec import outputs
+from vllm_nemotron_spec.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -78,7 +78,7 @@ def _draft(config: dict | None = None, seed: int = 0):
     spec = DraftSpec.from_config(config)
     model = ref.DFlashDraft(spec)
     state = drafts.init_draft_state_dict(config, seed)
-    # The trainer's module is the DFlash backbone; DSpark's Markov head is not part of it yet.
+    # DFlashDraft is the backbone alone: DSpark's Markov head tensors are left out.
     model.load_state_dict({k: v for k, v in state.items() if not k.startswith("markov_head.")})
     return model.eval(), spec
 

@@ -573,7 +573,7 @@ def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorChec
 
 @dataclass(frozen=True)
 class HeaderSource:
-    """A draft's safetensors headers and where they were read (``scan`` None: not read now,
+    """A draft's safetensors headers and where they were read (``scan`` None: not read,
     ``where`` says why)."""
 
     scan: CheckpointScan | None

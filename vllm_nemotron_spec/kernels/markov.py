@@ -1,65 +1,13 @@
 """DSpark's Markov step, fused: base logits + NVFP4 low-rank bias + greedy argmax in one pass.
 
-One DSpark draft step k (shared doc, "DSpark step") is::
-
-    logits_k = U_k + markov_w2(markov_w1[prev])      # U_k: base logits [B, V], already computed
-    x_k      = argmax(logits_k)                      # greedy; prev = x_k for step k + 1
-
-with ``markov_w1`` a BF16 embedding ``[V, r]`` and ``markov_w2`` an NVFP4 W4A16 linear ``r -> V``
-stored as ModelOpt writes it (:mod:`vllm_nemotron_spec.nvfp4.format`): ``weight`` uint8
-``[V, r/2]`` (element ``2j`` in the LOW nibble, E2M1 codes), ``weight_scale`` float8_e4m3fn
-``[V, r/16]``, ``weight_scale_2`` float32 scalar; ``w = E2M1[code] * scale * weight_scale_2``.
-
-The unfused path (vLLM's ``DSparkSpeculator._sample_sequential``) writes the ``[B, V]`` bias, reads
-it back for the add, writes the sum and reads it again for the argmax, in 4+ launches a step. Here
-one launch a step walks the vocabulary in tiles of ``BLOCK_V`` rows of ``markov_w2``: each program
-takes ``BLOCK_B`` request rows and ``TILES`` consecutive tiles, decodes the packed codes and the fp8
-block scales in registers, multiplies them with the rows' Markov embeddings on the tensor cores
-(transposed: the vocabulary tile is the dot's M, the rows its N), scales by the global scale, adds
-``U`` and keeps a running ``(max, argmax)`` per row. The ``[B, V]`` bias never exists in memory.
-Each program folds its ``(max, argmax)`` per row into one int64 slot per row and step by atomic
-max (the default; :data:`REDUCTIONS`), or writes it as a partial that the next launch reduces.
-In the walk over the ``gamma`` drafted positions, step ``k + 1``'s programs read step ``k``'s
-token from there (those of vocabulary slice 0 also store it) and a last small launch stores the
-final token, so a walk is ``gamma + 1`` launches (plus one fill of the slots) with no host
-synchronisation (CUDA-graph capturable).
-
-Decoding (three variants, :data:`VARIANTS`; all bit-exact decoders): a code's 3 magnitude bits go to
-fp16 bits 11..9 and its sign to bit 15, which is exactly the fp16 ``2^-14 * E2M1[code]`` (code 1
-lands on the fp16 subnormal 2^-15); the ``2^14`` is folded into the global scale (a power of two:
-exact). ``bf16`` decodes byte by byte and multiplies by the block scale in fp32, ``fp16`` works on
-16-bit words, ``fp16x2`` on 32-bit words (two codes an integer op) and, with one chunk covering the
-whole rank (``block_k = r/2``), loads the rows' embeddings once per program. The fp16 variants
-multiply code and block scale in fp16: exact, since ``2^-14 * E2M1 * scale`` is a multiple of 2^-24
-with at most 6 significant bits and at most 0.17.
-
-Arithmetic (fp32 accumulation everywhere):
-
-* ``bf16``: products ``emb * w`` are exact (bf16 x bf16 into fp32). ``fp16``/``fp16x2``: the
-  embedding is rounded to fp16 after multiplying by ``emb_scale`` (default 1): exact for magnitudes
-  in [2^-14, 65504] (bf16 has fewer significant bits than fp16); smaller ones lose bits as fp16
-  subnormals (absolute error <= 2^-25 / emb_scale each, far below the fp32 sum's rounding), larger
-  ones overflow (markov_w1 values are O(1)).
-* The sum over ``r`` is in fp32 in the tensor cores' order; the global scale (times ``bias_scale``,
-  vLLM's LogitsProcessor scale) multiplies the sum once; ``U`` is added in fp32.
-* The plain-torch reference (``tiny/reference.py: markov_walk``, which the tests compare against)
-  multiplies each weight by the global scale first (``format.dequantize``: one rounding per weight)
-  and sums in torch's order. Both are fp32 sums of the same ``r`` products up to
-  those roundings: they differ by a few fp32 ulps of ``sum |emb * w|``.
-* Ties: argmax keeps the LOWEST index among equal maxima, within a tile (``tie_break_left``),
-  across tiles (strict ``>``) and across programs (min index among the maxima), as ``torch.argmax``.
-  But two logits that differ by less than the rounding difference above can come out in either
-  order, so the fused kernel and any other implementation (the reference, vLLM's bf16 loop) can pick
-  different tokens there. That is a property of fp32 sums in different orders, not a bug; tests use
-  random data and check the reference's top-2 gap against the error bound.
-* A row whose logits are all ``-inf`` gives token 0 (as ``torch.argmax``). NaN logits are not
-  handled (torch would return the NaN's index). Without native fp8 conversion (pre-sm_89) the fp8
-  decoder maps the e4m3 NaN codes (0x7F, 0xFF) to +-480; valid checkpoints have no NaN scales.
-
-Public API: :func:`markov_greedy_step` (one step, optional corrected-logits output for sampling),
-:func:`markov_walk_greedy` (``gamma`` greedy steps from the anchor tokens, optional logits output),
-:class:`MarkovKernelConfig` / :func:`default_config` (launch parameters), :func:`permute_w1_columns`
-(markov_w1 columns grouped by phase, for contiguous embedding loads: do it once at load time).
+A DSpark draft step ``k`` is ``logits_k = U_k + markov_w2(markov_w1[prev])``, ``x_k =
+argmax(logits_k)``, ``prev = x_k``, with ``markov_w1`` a BF16 embedding ``[V, r]`` and ``markov_w2``
+an NVFP4 W4A16 linear ``r -> V`` as ModelOpt stores it (:mod:`vllm_nemotron_spec.nvfp4.format`).
+vLLM's loop (``DSparkSpeculator._sample_sequential``) writes and rereads the ``[B, V]`` bias in 4+
+launches a step; here one launch a step decodes ``markov_w2`` in registers tile by tile and keeps a
+running (max, argmax) per row, so the bias never exists in memory and a walk is ``gamma + 1``
+launches with no host synchronisation. Entry points: :func:`markov_greedy_step`,
+:func:`markov_walk_greedy` (arithmetic and ties documented there), :func:`permute_w1_columns`.
 """
 
 from __future__ import annotations
@@ -89,12 +37,18 @@ INT32_MAX = 2**31 - 1
 DOT_FP32, DOT_BF16, DOT_FP16 = 0, 1, 2
 
 VARIANTS = ("bf16", "fp16", "fp16x2")
-"""Kernel variants (``MarkovKernelConfig.variant``), by how ``markov_w2`` is decoded:
+"""Kernel variants (``MarkovKernelConfig.variant``), by how ``markov_w2`` is decoded.
+
+All three decoders are bit-exact: a code's 3 magnitude bits go to fp16 bits 11..9 and its sign to
+bit 15, which is exactly the fp16 ``2^-14 * E2M1[code]`` (code 1 lands on the fp16 subnormal
+2^-15); the ``2^14`` is folded into the global scale (a power of two: exact). The fp16 variants
+multiply code and block scale in fp16: exact, since ``2^-14 * E2M1 * scale`` is a multiple of 2^-24
+with at most 6 significant bits and at most 0.17.
 
 * ``bf16``: byte by byte (two codes), times the fp32 block scale, rounded to bf16 (exact), bf16 dot
   with the bf16 embedding: products exact. About 26 SASS instructions a packed byte on sm_90.
 * ``fp16``: 16-bit words (four codes), codes times the block scale in fp16 (exact), fp16 dot with
-  the embedding rounded to fp16 (see the module doc). About 13-20 instructions a byte.
+  the embedding rounded to fp16 (see :func:`markov_walk_greedy`). About 13-20 instructions a byte.
 * ``fp16x2`` (the default): 32-bit words, two codes an integer op. About 13 instructions a byte
   with 128-byte chunks (no register spills); with one chunk over the rank (``block_k = r/2``, the
   default at batch 2..32) the embeddings are loaded once per program: about 9 a byte (close to
@@ -237,6 +191,14 @@ if HAVE_TRITON:
         HOIST: tl.constexpr,  # VARIANT 2 with BLOCK_K == R // 2: embeddings loaded once
         ATOMIC: tl.constexpr,  # reduce across programs by int64 atomic max instead of partials
     ):
+        """One Markov step over ``TILES`` consecutive vocabulary tiles of ``BLOCK_V`` rows of
+        ``markov_w2`` for ``BLOCK_B`` request rows: decodes the packed codes and fp8 block scales
+        in registers, multiplies them with the rows' Markov embeddings on the tensor cores
+        (transposed: the vocabulary tile is the dot's M, the rows its N), scales by the global
+        scale, adds ``U`` and keeps a running (max, argmax) per row. The result goes into one int64
+        slot per row and step by atomic max (``ATOMIC``) or into a partial that the next launch
+        reduces; with ``PREV_FROM_PARTS`` the previous step's token is read from there (programs
+        of vocabulary slice 0 also store it)."""
         pid_v = tl.program_id(0)
         pid_b = tl.program_id(1)
         rows = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -512,13 +474,14 @@ class MarkovKernelConfig:
 
 def default_config(batch: int, rank: int = 512) -> MarkovKernelConfig:
     """The launch parameters chosen for ``batch`` rows, from H200 measurements (benchmarks/RESULTS.md,
-    2026-11-30, "the Markov walk's launch configs and atomic reduction"): the atomic (max, argmax) reduction and about four programs an SM at every batch.
+    "the Markov walk's launch configs and atomic reduction"): the atomic (max, argmax) reduction
+    and about four programs an SM at every batch.
 
     More resident programs hide more of the memory latency of streaming ``markov_w2`` (the
     one-chunk config takes all 255 registers a thread on sm_90, so two programs an SM leave 8
     warps); with the partials reduction each extra program also made every program of the next
     step read more partials, which ate the gain beyond batch 1. With the atomic reduction, gamma-3
-    walk, microseconds against the previous default (one chunk, two programs an SM, partials) and
+    walk, microseconds against one chunk with two programs an SM and the partials reduction, and
     vLLM 0.33's loop: batch 1 74.2 (79.8 / 121.0), 4 84.2 (116.6 / 132.7), 16 91.9 (128.2 / 195.3),
     32 114.5 (143.1 / 189.2).
 
@@ -782,7 +745,32 @@ def markov_walk_greedy(
     step's corrected logits (q for probabilistic verification of greedy drafts). ``config`` and
     ``w1_permuted``: as in :func:`markov_greedy_step`. ``gamma + 1`` launches (and a fill of the
     atomic reduction's slots), no host synchronisation (CUDA-graph capturable when ``w2_global``
-    is a device tensor)."""
+    is a device tensor).
+
+    Arithmetic (fp32 accumulation everywhere):
+
+    * ``bf16``: products ``emb * w`` are exact (bf16 x bf16 into fp32). ``fp16``/``fp16x2``: the
+      embedding is rounded to fp16 after multiplying by ``emb_scale`` (default 1): exact for
+      magnitudes in [2^-14, 65504] (bf16 has fewer significant bits than fp16); smaller ones lose
+      bits as fp16 subnormals (absolute error <= 2^-25 / emb_scale each, far below the fp32 sum's
+      rounding), larger ones overflow (markov_w1 values are O(1)).
+    * The sum over ``r`` is in fp32 in the tensor cores' order; the global scale (times
+      ``bias_scale``, vLLM's LogitsProcessor scale) multiplies the sum once; ``U`` is added in fp32.
+    * The plain-torch reference (``tiny/reference.py: markov_walk``, which the tests compare
+      against) multiplies each weight by the global scale first (``format.dequantize``: one
+      rounding per weight) and sums in torch's order. Both are fp32 sums of the same ``r``
+      products up to those roundings: they differ by a few fp32 ulps of ``sum |emb * w|``.
+    * Ties: argmax keeps the LOWEST index among equal maxima, within a tile (``tie_break_left``),
+      across tiles (strict ``>``) and across programs (min index among the maxima), as
+      ``torch.argmax``. Two logits that differ by less than the rounding difference above can
+      come out in either order, so the fused kernel and any other implementation (the reference,
+      vLLM's bf16 loop) can pick different tokens there: a property of fp32 sums in different
+      orders, not a bug; tests use random data and check the reference's top-2 gap against the
+      error bound.
+    * A row whose logits are all ``-inf`` gives token 0 (as ``torch.argmax``). NaN logits are not
+      handled (torch would return the NaN's index). Without native fp8 conversion (pre-sm_89) the
+      fp8 decoder maps the e4m3 NaN codes (0x7F, 0xFF) to +-480; valid checkpoints have no NaN
+      scales."""
     if base_logits.dim() != 3:
         raise ValueError(f"base_logits must be [B, gamma, V], got {tuple(base_logits.shape)}")
     batch, gamma, vocab = base_logits.shape

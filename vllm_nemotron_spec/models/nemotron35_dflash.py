@@ -1,21 +1,11 @@
 """The Nemotron 3.5 DFlash draft (``NVIDIA-Nemotron-3.5-Lightning-*-DFlash``), registered as
 ``DFlashNemotron35DraftModel``.
 
-The draft step it computes (shared doc, "DFlash step"): context ``hidden_norm(fc(concat(aux)))``
-becomes K/V of every layer (k_norm + RoPE on K, no input_layernorm); the query block
-``[b, MASK x gamma]`` is embedded with the draft's OWN ``embed_tokens``, attends non-causally to the
-context and to itself, and rows 1..gamma go through the final norm and the TARGET's lm_head.
-vLLM's DFlash Qwen3 backbone (``qwen3_dflash.DFlashQwen3ForCausalLM``, vLLM 0.32/0.33) computes
-exactly this step, so this class reuses it layer for layer and adds what the official checkpoints
-need around it:
-
-- it is chosen only for drafts that pass the structural check (``target_hook`` routes them here),
-  so every other DFlash draft keeps vLLM's class;
-- it holds the validated :class:`~vllm_nemotron_spec.checkpoint.spec.DraftSpec` and checks, after
-  building, that the modules vLLM built are the ones the checkpoint describes (fc width = aux ids x
-  target hidden, mask token, causality, layer count), so a mismatch fails at start-up with the
-  field named instead of drafting garbage;
-- its linear layers get the plugin's NVFP4 W4A16 method through vLLM's quantization registry.
+vLLM's DFlash Qwen3 backbone (``qwen3_dflash.DFlashQwen3ForCausalLM``) computes exactly the
+official draft's step (shared doc, "DFlash step"), so this class reuses it layer for layer. It is
+chosen only for drafts that pass the structural check (``target_hook`` routes them here; every
+other DFlash draft keeps vLLM's class), checks at start-up that what vLLM built matches the
+checkpoint, and its linear layers get the plugin's NVFP4 W4A16 method.
 """
 
 from __future__ import annotations
@@ -31,7 +21,15 @@ ARCHITECTURE = "DFlashNemotron35DraftModel"
 
 
 class Nemotron35DFlashForCausalLM(DFlashQwen3ForCausalLM):
-    """vLLM's DFlash backbone, checked against the Nemotron 3.5 draft's validated spec."""
+    """vLLM's DFlash backbone, checked against the Nemotron 3.5 draft's validated spec.
+
+    The step: context ``hidden_norm(fc(concat(aux)))`` becomes K/V of every layer (k_norm + RoPE
+    on K, no input_layernorm); the query block ``[b, MASK x gamma]`` is embedded with the draft's
+    OWN ``embed_tokens``, attends non-causally to the context and to itself, and rows 1..gamma go
+    through the final norm and the TARGET's lm_head. It holds the validated
+    :class:`~vllm_nemotron_spec.checkpoint.spec.DraftSpec`; after building, the modules vLLM built
+    are compared with it (:func:`check_built_model_matches_spec`), so a mismatch fails at start-up
+    with the field named instead of drafting garbage."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         spec = draft_spec_from_vllm_config(vllm_config)
@@ -50,7 +48,8 @@ class Nemotron35DFlashForCausalLM(DFlashQwen3ForCausalLM):
 def check_built_model_matches_spec(
     model, spec: DraftSpec, vllm_config: VllmConfig, source: str = ARCHITECTURE
 ) -> None:
-    """Compare what vLLM built with what the checkpoint's config says; raise naming each field."""
+    """Compare what vLLM built with what the checkpoint's config says (fc width = aux ids x
+    target hidden, mask token, causality, layer count); raise naming each field."""
     target_hidden = vllm_config.model_config.get_hidden_size()
     problems = []
     fc_in = model.model.fc.input_size

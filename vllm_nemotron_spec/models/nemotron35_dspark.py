@@ -1,34 +1,12 @@
 """The Nemotron 3.5 DSpark draft (``NVIDIA-Nemotron-3.5-Lightning-*-DSpark``), registered as
 ``DSparkNemotron35DraftModel``.
 
-The draft step it computes (shared doc, "DSpark step"): the DFlash backbone (context
-``hidden_norm(fc(concat(aux)))`` as K/V of every layer) run over a query block with CAUSAL
-attention, a sliding window and per-head attention sinks; the block's rows go through the final
-norm and the TARGET's lm_head (base logits ``U_k``); then a sequential Markov walk adds
-``markov_w2(markov_w1[prev])`` to ``U_k``, ``prev`` being the previously drafted token (the anchor
-first). vLLM's ``qwen3_dspark.Qwen3DSparkForCausalLM`` (vLLM 0.32/0.33) builds exactly these
-modules (``DFlashQwen3Model`` layers with ``sinks=`` / ``per_layer_sliding_window``, a
-``markov_head`` whose ``markov_w2`` is a ``ParallelLMHead`` that takes a quantization method), so
-this class reuses it and adds what the official checkpoints need around it:
-
-- it is chosen only for drafts that pass the structural check (``target_hook`` routes them here;
-  with method ``dspark`` vLLM would otherwise rewrite an unknown architecture to DeepSeek-V4);
-- it checks, after building, that the modules vLLM built are the ones the checkpoint describes
-  (layers, causality, sliding window, sinks, Markov rank, fc width), naming the field on mismatch;
-- ``markov_w2`` gets the plugin's NVFP4 W4A16 method (dequantized once on CPU, vLLM's FP4 kernels
-  on GPU); ``markov_w1`` stays a BF16 embedding, as in the checkpoint.
-
-The query layout (``sample_from_anchor``) and the Markov walk belong to the proposer
-(``proposers/dspark.py`` on vLLM's V1 runner; vLLM's ``DSparkSpeculator`` on the V2 runner, which
-reads the same flag), not to the model. One exception: vLLM 0.33's ``DSparkSpeculator`` asks the
-model for a ``sample_sequential`` of its own. By default this model declines, so vLLM's own
-Markov loop runs: served at Lightning widths on the H200 (``benchmarks/gpu_multiturn.py``,
-DSpark 3), the fused walk made the whole step slower than vLLM's loop (TPOT 1.84 vs 1.65 ms at
-concurrency 1, 8.5 vs 6.2 ms at 16; benchmarks/RESULTS.md). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1``
-opts in to the fused walk (``kernels/markov.py``: base logits + NVFP4 bias + argmax in one pass a
-step, the ``[B, V]`` bias never written; ``markov_w2`` kept packed at load, 36 MiB at the real
-shape) for greedy drafting on CUDA; every other case (sampling, top-k drafting, confidence
-heads, acceptance estimation, CPU) runs vLLM's loop either way.
+vLLM's ``qwen3_dspark.Qwen3DSparkForCausalLM`` builds exactly the official draft's modules (shared
+doc, "DSpark step"), so this class reuses it. It is chosen only for drafts that pass the
+structural check (``target_hook`` routes them here; with method ``dspark`` vLLM would otherwise
+rewrite an unknown architecture to DeepSeek-V4), checks at start-up that what vLLM built matches
+the checkpoint, and gives ``markov_w2`` the plugin's NVFP4 W4A16 method. The query layout and the
+Markov walk belong to the proposer, except for the opt-in fused walk (:meth:`sample_sequential`).
 """
 
 from __future__ import annotations
@@ -58,7 +36,16 @@ _MARKOV_W2 = "markov_head.markov_w2."
 
 
 class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
-    """vLLM's DSpark Qwen3 draft, checked against the Nemotron 3.5 draft's validated spec."""
+    """vLLM's DSpark Qwen3 draft, checked against the Nemotron 3.5 draft's validated spec.
+
+    The step: the DFlash backbone (context ``hidden_norm(fc(concat(aux)))`` as K/V of every layer)
+    over a query block with CAUSAL attention, a sliding window and per-head attention sinks; the
+    rows go through the final norm and the TARGET's lm_head (base logits ``U_k``); then a
+    sequential Markov walk adds ``markov_w2(markov_w1[prev])`` to ``U_k``, ``prev`` being the
+    previously drafted token (the anchor first). After building, the modules vLLM built are
+    compared with the checkpoint (layers, causality, sliding window, sinks, Markov rank, fc width),
+    naming the field on mismatch. ``markov_w2`` is dequantized once on CPU and runs on vLLM's FP4
+    kernels on GPU; ``markov_w1`` stays a BF16 embedding, as in the checkpoint."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         spec = draft_spec_from_vllm_config(vllm_config)
@@ -93,7 +80,17 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
 
     def sample_sequential(self, speculator, num_reqs: int, head_hidden: torch.Tensor) -> bool:
         """vLLM 0.33 ``DSparkSpeculator`` hook: run the greedy Markov walk fused; False (nothing
-        done) where vLLM's own loop must run. Which of the two runs is logged once per reason."""
+        done) where vLLM's own loop must run. Which of the two runs is logged once per reason.
+
+        The query layout (``sample_from_anchor``) and the walk otherwise belong to the proposer
+        (``proposers/dspark.py`` on vLLM's V1 runner, vLLM's ``DSparkSpeculator`` on V2). By
+        default this hook declines: served at Lightning widths on the H200
+        (``benchmarks/gpu_multiturn.py``, DSpark 3), the fused walk made the whole step slower
+        than vLLM's loop (TPOT 1.84 vs 1.65 ms at concurrency 1, 8.5 vs 6.2 ms at 16;
+        benchmarks/RESULTS.md). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1`` opts in to the fused walk
+        (``kernels/markov.py``; ``markov_w2`` kept packed at load, 36 MiB at the real shape) for
+        greedy drafting on CUDA; every other case (sampling, top-k drafting, confidence heads,
+        acceptance estimation, CPU) runs vLLM's loop either way."""
         declined = self.fused_walk_declined(speculator, head_hidden)
         _log_walk_choice_once(declined)
         if declined:

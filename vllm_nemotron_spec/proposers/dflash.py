@@ -1,25 +1,11 @@
 """DFlash proposer for vLLM's V1 runner whose draft layers may sit in several KV-cache groups.
 
-Why: vLLM's hybrid KV-cache allocator puts layers of one kind into groups of equal size. With a
-NemotronH target (many Mamba layers, few attention layers) a multi-layer draft is split over
-several attention groups, each with its OWN block table. vLLM's V1 ``DFlashProposer`` (vLLM
-0.32 / 0.33, ``v1/spec_decode/dflash.py``) asserts "All drafting layers should belong to the same
-kv cache group" and builds one attention metadata and one slot mapping for every draft layer.
-vLLM's V2 speculators handle several groups; V1 (the only runner on CPU) does not.
-
-How: the same step as vLLM's proposer (its fused input kernel for the primary group, whose block
-table the runner hands over), plus, for each further group, slot mappings computed from that
-group's block table (:func:`slots_from_block_table`), an attention metadata per group, per-layer
-slot mappings for the query forward and per-layer context slot mappings for the context K/V
-insert (``precompute_and_store_context_kv`` takes a per-layer list). With one group every step is
-vLLM's own code path.
-
-The query layout is a hook (:meth:`query_rows_per_request`, :meth:`sample_rows`) so the DSpark
-proposer can use the anchor layout (gamma rows) on the same machinery.
-
-Upstream: vLLM's V2 runner (``v1/worker/gpu/spec_decode``) does this per group already; a V1 port
-would make this class unnecessary. Removal: when vLLM's V1 ``DFlashProposer`` accepts draft layers
-in several KV-cache groups (or V1 is retired on CPU).
+Why: with a NemotronH target (many Mamba layers, few attention layers) vLLM's hybrid KV-cache
+allocator can split a multi-layer draft over several attention groups, each with its OWN block
+table, and vLLM's V1 ``DFlashProposer`` (``v1/spec_decode/dflash.py``) asserts "All drafting layers
+should belong to the same kv cache group". vLLM's V2 speculators handle several groups; V1 (the
+only runner on CPU) does not. Removal: when vLLM's V1 ``DFlashProposer`` accepts draft layers in
+several KV-cache groups (or V1 is retired on CPU).
 """
 
 from __future__ import annotations
@@ -94,7 +80,16 @@ def resample_seeded_rows(
 
 class Nemotron35DFlashProposer(DFlashProposer):
     """vLLM's V1 DFlash proposer with per-KV-cache-group attention metadata and slot mappings,
-    and probabilistic drafts that honour request seeds (:func:`resample_seeded_rows`)."""
+    and probabilistic drafts that honour request seeds (:func:`resample_seeded_rows`).
+
+    The same step as vLLM's proposer (its fused input kernel for the primary group, whose block
+    table the runner hands over), plus, for each further group, slot mappings computed from that
+    group's block table (:func:`slots_from_block_table`), an attention metadata per group,
+    per-layer slot mappings for the query forward and per-layer context slot mappings for the
+    context K/V insert (``precompute_and_store_context_kv`` takes a per-layer list). With one
+    group every step is vLLM's own code path. The query layout is a hook
+    (:meth:`query_rows_per_request`, :meth:`sample_rows`) so the DSpark proposer can use the
+    anchor layout (gamma rows) on the same machinery."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)

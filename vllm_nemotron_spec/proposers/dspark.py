@@ -1,22 +1,9 @@
 """DSpark proposer for vLLM's V1 runner (the only runner on CPU; optional on GPU).
 
-Why: vLLM (0.32 / 0.33) implements DSpark only in the V2 runner (``DSparkSpeculator``); V1 rejects
-``method="dspark"``. A DSpark step is a DFlash step (context K/V + one parallel query-block
-forward, here causal with a sliding window and sinks, which the model's layers carry) followed by
-a sequential Markov walk, so this proposer is the multi-group DFlash proposer with:
-
-- the query layout read from the checkpoint (``sample_from_anchor``, absent = true):
-  false ("bonus anchor", Nemotron 3.5): ``[b, MASK x gamma]``, row 0 dropped, rows 1..gamma drafted
-  (the DFlash layout); true: ``[b, MASK x (gamma - 1)]``, every row drafted, so the sampled rows are
-  a slice of the output (a view: the anchor layout pays for no gather);
-- the Markov walk (:func:`markov_walk`): ``prev = b``; for k = 1..gamma,
-  ``logits_k = U_k + markov_w2(markov_w1[prev])``; greedy takes the argmax, probabilistic drafting
-  samples ``softmax(logits_k / T)`` and hands those corrected probabilities (q) to vLLM's standard
-  rejection sampler.
-
-vLLM's code paths key on ``speculative_config.method``; vLLM's V1 DFlash code is what this
-proposer runs, so it is built as a DFlash proposer (:func:`_method_seen_as_dflash`) and keeps
-``self.method == "dflash"`` for those paths, while the engine's config says ``dspark``.
+Why: vLLM implements DSpark only in the V2 runner (``DSparkSpeculator``); V1 rejects
+``method="dspark"``. A DSpark step is a DFlash step (here causal with a sliding window and sinks,
+which the model's layers carry) followed by a sequential Markov walk, so this proposer is the
+multi-group DFlash proposer plus the checkpoint's query layout and the walk (:func:`markov_walk`).
 Removal: when vLLM's V1 runner accepts DSpark (or V1 is retired on CPU).
 """
 
@@ -50,7 +37,11 @@ def markov_walk(model, base_logits: torch.Tensor, anchor_ids: torch.Tensor, samp
     """Draft gamma tokens per request from base logits ``[B, gamma, V]``: at step k the Markov
     bias of the previously drafted token (the anchor first) is added, then ``sample_step(logits_k)``
     returns ``(token_ids [B], probs [B, V] or None)``. Returns ids ``[B, gamma]`` and the list of
-    per-step probs (None entries when greedy)."""
+    per-step probs (None entries when greedy).
+
+    From ``prev = b``, for k = 1..gamma: ``logits_k = U_k + markov_w2(markov_w1[prev])``; greedy
+    takes the argmax, probabilistic drafting samples ``softmax(logits_k / T)`` and hands those
+    corrected probabilities (q) to vLLM's standard rejection sampler."""
     prev = anchor_ids
     ids, probs = [], []
     for k in range(base_logits.shape[1]):
@@ -63,7 +54,15 @@ def markov_walk(model, base_logits: torch.Tensor, anchor_ids: torch.Tensor, samp
 
 
 class Nemotron35DSparkProposer(Nemotron35DFlashProposer):
-    """DFlash machinery + the checkpoint's query layout + the sequential Markov walk."""
+    """DFlash machinery + the checkpoint's query layout + the sequential Markov walk.
+
+    Query layout (``sample_from_anchor``, absent = true): false ("bonus anchor", Nemotron 3.5):
+    ``[b, MASK x gamma]``, row 0 dropped, rows 1..gamma drafted (the DFlash layout); true:
+    ``[b, MASK x (gamma - 1)]``, every row drafted, so the sampled rows are a slice of the output
+    (a view: the anchor layout pays for no gather). vLLM's code paths key on
+    ``speculative_config.method`` and its V1 DFlash code is what this proposer runs, so it is built
+    as a DFlash proposer (:func:`_method_seen_as_dflash`) and keeps ``self.method == "dflash"``
+    for those paths, while the engine's config says ``dspark``."""
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         with _method_seen_as_dflash(vllm_config):

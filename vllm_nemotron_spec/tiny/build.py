@@ -1,18 +1,8 @@
 """Build (or reuse) the tiny Nemotron-3.5-shaped family: tokenizer, target, DFlash and DSpark drafts.
 
-``build_tiny_family(outdir, seed)`` writes::
-
-    outdir/manifest.json   seed, hash of the builder's code and of its parameters, file hashes
-    outdir/tokenizer/      the byte-level BPE tokenizer (also copied into each model directory)
-    outdir/target/         NemotronHForCausalLM (fp32 safetensors) + tokenizer files
-    outdir/dflash/         DFlashDraftModel, W4A16 NVFP4 layout + tokenizer files
-    outdir/dspark/         Qwen3DSparkModel, W4A16 NVFP4 layout + tokenizer files
-
 Everything derives from the seed (corpus, tokenizer, target init and training, draft init), so
 the same seed gives byte-identical files on the same machine type. A complete family with the
-same seed, builder code and parameter hash is reused without rebuilding (:mod:`.cache`: file
-lock, temporary sibling moved into place, a stale family replaced only when it holds nothing but
-the files of its manifest).
+same seed, builder code and parameter hash is reused without rebuilding (:mod:`.cache`).
 """
 
 from __future__ import annotations
@@ -130,9 +120,16 @@ def build_tiny_family(
     spec: TinySpec | None = None,
     progress: bool = True,
 ) -> TinyFamily:
-    """Build the tiny family of ``seed`` into ``outdir`` (or reuse a matching complete one).
+    """Build the tiny family of ``seed`` into ``outdir`` (or reuse a matching complete one)::
 
-    ``force`` rebuilds even when a matching family is present. ``spec`` overrides the default
+        outdir/manifest.json   seed, hash of the builder's code and of its parameters, file hashes
+        outdir/tokenizer/      the byte-level BPE tokenizer (also copied into each model directory)
+        outdir/target/         NemotronHForCausalLM (fp32 safetensors) + tokenizer files
+        outdir/dflash/         DFlashDraftModel, W4A16 NVFP4 layout + tokenizer files
+        outdir/dspark/         Qwen3DSparkModel, W4A16 NVFP4 layout + tokenizer files
+
+    Reuse goes through :mod:`.cache` (file lock, temporary sibling moved into place, a stale
+    family replaced only when it holds nothing but the files of its manifest). ``force`` rebuilds even when a matching family is present. ``spec`` overrides the default
     parameters (tests use a reduced spec); it is part of the cache key.
     """
     spec = spec or TinySpec()

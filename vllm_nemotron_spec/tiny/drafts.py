@@ -1,25 +1,10 @@
 """Tiny DFlash / DSpark drafts in EXACTLY the layout of the official Nemotron 3.5 W4A16 NVFP4 drafts.
 
-``config.json`` carries every field of the official drafts (architectures, qwen3 fields,
-``has_embed_tokens`` / ``has_lm_head``, ``target_layer_ids`` and the ``eagle_aux_hidden_state_layer_ids``
-(= ids + 1), ``mask_token_id`` / ``pard_token``, top-level and ``dflash_config.sample_from_anchor``,
-the DSpark block / Markov-head fields, and the ModelOpt ``quantization_config``) with tiny values;
-``hf_quant_config.json`` is written as ModelOpt writes it.
-
-Tensors use the official names, without a ``model.`` prefix:
-
-* BF16: ``embed_tokens.weight`` (a copy of the target's embedding), ``hidden_norm.weight``,
-  ``norm.weight``, ``layers.{i}.input_layernorm.weight``, ``layers.{i}.post_attention_layernorm.weight``,
-  ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
-  DSpark: ``layers.{i}.self_attn.attention_sink_bias`` [num_heads], ``markov_head.markov_w1.weight``
-  [vocab, rank].
-* NVFP4 (``X.weight`` uint8 [out, in/2], ``X.weight_scale`` float8_e4m3fn [out, in/16],
-  ``X.weight_scale_2`` fp32 scalar; see :mod:`vllm_nemotron_spec.nvfp4.format`): ``fc``
-  [hidden, num_aux * hidden], ``layers.{i}.mlp.{gate,up,down}_proj``, DSpark ``markov_head.markov_w2``
-  [vocab, rank].
-
-:func:`write_draft` packs any fp32 state dict in this schema (random now, trained later) into a
-checkpoint directory; :func:`read_draft_state_dict` reads one back as dense fp32 tensors.
+``config.json`` carries every field of the official drafts with tiny values, ``hf_quant_config.json``
+is written as ModelOpt writes it, and tensors use the official names and formats
+(:mod:`vllm_nemotron_spec.checkpoint.layout`). :func:`write_draft` packs any fp32 state dict in
+this schema (random or trained) into a checkpoint directory; :func:`read_draft_state_dict` reads
+one back as dense fp32 tensors.
 """
 
 from __future__ import annotations
@@ -272,6 +257,20 @@ def write_draft(
     mask_token_id: int = MASK_ID,
 ) -> Path:
     """Write a draft checkpoint directory from a dense fp32 state dict in the draft schema.
+
+    ``config.json`` carries every field of the official drafts (architectures, qwen3 fields,
+    ``has_embed_tokens`` / ``has_lm_head``, ``target_layer_ids`` and the
+    ``eagle_aux_hidden_state_layer_ids`` (= ids + 1), ``mask_token_id`` / ``pard_token``,
+    top-level and ``dflash_config.sample_from_anchor``, the DSpark block / Markov-head fields, and
+    the ModelOpt ``quantization_config``). Tensors use the official names, without a ``model.``
+    prefix: BF16 ``embed_tokens.weight`` (a copy of the target's embedding), ``hidden_norm``,
+    ``norm``, ``layers.{i}.input_layernorm`` / ``post_attention_layernorm``,
+    ``layers.{i}.self_attn.{q,k,v,o}_proj`` / ``{q,k}_norm``, DSpark
+    ``layers.{i}.self_attn.attention_sink_bias`` [num_heads] and ``markov_head.markov_w1``
+    [vocab, rank]; NVFP4 (``X.weight`` uint8 [out, in/2], ``X.weight_scale`` float8_e4m3fn
+    [out, in/16], ``X.weight_scale_2`` fp32 scalar; see :mod:`vllm_nemotron_spec.nvfp4.format`)
+    ``fc`` [hidden, num_aux * hidden], ``layers.{i}.mlp.{gate,up,down}_proj``, DSpark
+    ``markov_head.markov_w2`` [vocab, rank].
 
     ``state_dict_fp32`` maps the official tensor names (see :func:`logical_shapes`) to dense
     tensors; ``embed_tokens.weight`` may be left out, then the target's embedding is copied.

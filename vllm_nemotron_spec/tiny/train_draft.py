@@ -2,30 +2,8 @@
 
 The drafts are the plain-torch modules of :mod:`vllm_nemotron_spec.tiny.reference`, trained
 through that module's forward (the step vLLM computes), so what is trained is what is served.
-
-Data (:func:`generate_draft_data`): the target's own greedy continuations of corpus prompts with
-the aux hidden states recorded while decoding, as vLLM records them
-(:func:`capture_aux_hidden_states`: aux id ``k`` is the residual stream after block ``k - 1``, id 0
-the embedding output, the last id BEFORE ``norm_f``; transformers' ``output_hidden_states`` gives
-``norm_f``'s output there).
-
-DFlash (:func:`train_draft`): many anchors ``L`` per sequence train in one forward, each block
-masked to the context before its anchor and its own rows. Cross-entropy through the frozen target
-lm_head, rows weighted ``exp(-(j - 1) / position_decay)``; ``embed_tokens`` frozen; fc,
-hidden_norm, the layers and norm train. ``label_offset=1`` trains the shifted layout (row ``r``
-predicts ``L + r + 1``, the anchor row used as a prediction), which vLLM's layout serves one
-position off: acceptance collapses to ~1 token while outputs stay exact.
-
-DSpark (:func:`train_dspark_draft`): backbone and Markov head jointly, teacher-forced (the Markov
-input of position ``k`` is the true token ``k - 1``, the bonus for ``k = 1``: the walk whenever
-the earlier drafts were accepted, the only case greedy acceptance uses). The backbone starts from
-the trained DFlash draft (same shapes), sinks and Markov head from the family's DSpark draft. The
-causal block makes the anchor layout read the same weights one row off, so the wrong-anchor twin
-(``sample_from_anchor: true``) collapses to ~1.2 tokens.
-
-:func:`ensure_trained_drafts` caches the trained drafts next to the tiny family
-(:mod:`vllm_nemotron_spec.tiny.cache`; keyed by the builder's source, every parameter and the
-family's files).
+Data: :func:`generate_draft_data`; DFlash: :func:`train_draft`; DSpark:
+:func:`train_dspark_draft`; the cached result: :func:`ensure_trained_drafts`.
 """
 
 from __future__ import annotations
@@ -283,7 +261,9 @@ def generate_draft_data(
 ) -> DraftData:
     """The target's greedy continuations (``params.new_tokens`` each) of
     :func:`corpus_prompt_ids` with the aux hidden states recorded while decoding, one batch per
-    prompt length."""
+    prompt length. The aux hidden states are recorded as vLLM records them
+    (:func:`capture_aux_hidden_states`: the last id BEFORE ``norm_f``; transformers'
+    ``output_hidden_states`` gives ``norm_f``'s output there)."""
     from tqdm.auto import tqdm
 
     from vllm_nemotron_spec.tiny.target import load_target
@@ -388,7 +368,13 @@ def train_draft(
 ) -> TrainResult:
     """Train ``draft`` in place (fc, hidden_norm, layers, norm; embed_tokens frozen) on ``data``
     minus ``params.eval_sequences`` held-out sequences, through :func:`draft_forward`;
-    deterministic in ``seed`` (fixed thread count, deterministic algorithms)."""
+    deterministic in ``seed`` (fixed thread count, deterministic algorithms).
+
+    Many anchors ``L`` per sequence train in one forward, each block masked to the context before
+    its anchor and its own rows. Cross-entropy through the frozen target lm_head, rows weighted
+    ``exp(-(j - 1) / position_decay)``. ``label_offset=1`` trains the shifted layout (row ``r``
+    predicts ``L + r + 1``, the anchor row used as a prediction), which vLLM's layout serves one
+    position off: acceptance collapses to ~1 token while outputs stay exact."""
     train, held_out = data.split(params.eval_sequences)
     B = params.block_size
     distance = torch.arange(B) + params.label_offset  # how far ahead each row predicts
@@ -427,7 +413,13 @@ def train_dspark_draft(
     (:func:`dspark_teacher_forced_logits`: the Markov input of position ``k`` is the true token
     ``k - 1``), for ``gamma = params.block_size - 1`` drafts in the layout of
     ``draft.sample_from_anchor``; position ``k`` weighted ``exp(-(k - 1) / position_decay)``.
-    ``embed_tokens`` frozen; deterministic in ``seed``."""
+    ``embed_tokens`` frozen; deterministic in ``seed``.
+
+    Teacher forcing (the bonus for ``k = 1``) is the walk whenever the earlier drafts were
+    accepted, the only case greedy acceptance uses. The backbone starts from the trained DFlash
+    draft (same shapes), sinks and Markov head from the family's DSpark draft. The causal block
+    makes the anchor layout read the same weights one row off, so the wrong-anchor twin
+    (``sample_from_anchor: true``) collapses to ~1.2 tokens."""
     if params.label_offset:
         raise ValueError("DSpark's layouts come from sample_from_anchor, not label_offset")
     train, held_out = data.split(params.eval_sequences)
@@ -660,8 +652,9 @@ def ensure_trained_drafts(
     """The drafts trained against the tiny family of ``seed`` (default
     ``ensure_tiny_family(seed)``), cached next to it in ``tiny-drafts-trained-seed{seed}``:
     trained on first use (~3-4 minutes on 2 cores), reused while the family's target and draft
-    files and every trainer parameter are unchanged. Parallel processes wait on a file
-    lock; the first trains, the others reuse."""
+    files and every trainer parameter are unchanged (keyed by the builder's source, every
+    parameter and the family's files; :mod:`vllm_nemotron_spec.tiny.cache`). Parallel processes
+    wait on a file lock; the first trains, the others reuse."""
     if family is None:
         from vllm_nemotron_spec.tiny.build import ensure_tiny_family
 
