@@ -24,6 +24,10 @@ MIN_MEAN_ACCEPTANCE_LENGTH = 2.5  # the issue's bar at gamma 3 (max 4)
 # The wrong-anchor twin drafts position L + k from the row trained for L + k + 1 (and with the
 # Markov input one token off): acceptance collapses to about one token.
 MAX_WRONG_ANCHOR_ACCEPTANCE_LENGTH = 1.5
+# Two draft logits closer than this may come out in either order in vLLM and in the plain torch
+# reference: twice the bound on |vLLM - torch| log-probs of the target in fp32
+# (tests/tiny/test_tiny_engine.py, measured up to 6e-4).
+NEAR_TIE = 4e-3
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +127,9 @@ def test_more_drafted_tokens_than_the_block_is_refused(tiny_family, trained):
 def test_vllm_proposals_are_the_reference_walk(tiny_family, trained, results):
     """Each proposal vLLM made equals the trainer's reference (backbone in the bonus-anchor
     layout, sliding window, sinks, then the greedy Markov walk) from the same committed tokens,
-    bonus token and vLLM's own aux hidden states."""
+    bonus token and vLLM's own aux hidden states, up to the first drafted position whose two best
+    reference logits are within rounding of each other (vLLM's kernels and plain torch differ by
+    a few 1e-4 in fp32, see tests/tiny/test_tiny_engine.py); later drafts follow that token."""
     import torch
 
     from vllm_nemotron_spec.tiny import train_draft as td
@@ -134,19 +140,30 @@ def test_vllm_proposals_are_the_reference_walk(tiny_family, trained, results):
     lm_head = td.target_lm_head(tiny_family.target)
     # the last steps see tokens beyond max_tokens (accepted, then cut from the output)
     aux = torch.zeros(len(sequence) + GAMMA + 2, steps[0].aux.shape[-1])
-    checked = 0
+    checked, near_ties = 0, []
     for step in steps:
         aux[step.positions] = step.aux
         committed = step.positions[-1] + 1
         if committed >= len(sequence):
             continue
         assert step.bonus == sequence[committed]
-        expected, _ = td.reference_dspark_propose(
+        expected, logits = td.reference_dspark_propose(
             model, lm_head, aux[:committed], torch.tensor(sequence[:committed]), step.bonus, GAMMA
         )
-        assert step.drafts == expected, f"step with {committed} committed tokens"
+        top = logits.topk(2, dim=-1).values
+        gaps = (top[:, 0] - top[:, 1]).tolist()
+        n = next((k for k, gap in enumerate(gaps) if gap < NEAR_TIE), GAMMA)
+        if n < GAMMA:
+            near_ties.append((committed, n, gaps[n]))
+        assert step.drafts[:n] == expected[:n], (
+            f"step with {committed} committed tokens: vLLM {step.drafts} != reference {expected} "
+            f"(top-2 logit gaps {[f'{g:.1e}' for g in gaps]})"
+        )
         checked += 1
     assert checked > 3
+    assert len(near_ties) <= max(1, checked // 10), (
+        f"near-ties (committed, position, gap): {near_ties}"
+    )
 
 
 # With temperature > 0 the trained draft is accepted much less than when greedy (the target's law
