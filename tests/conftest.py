@@ -53,10 +53,16 @@ SEED_ENV = "VLLM_NEMOTRON_SPEC_TEST_SEED"
 
 
 @pytest.fixture(scope="session")
-def tiny_family():
-    """The tiny family of seed ``$VLLM_NEMOTRON_SPEC_TEST_SEED`` (default 0; the suite must pass for
-    any), built once into the cache ``$VLLM_NEMOTRON_SPEC_CACHE`` and reused by later sessions.
-    Treat its files as read-only."""
+def tiny_seed() -> int:
+    """The seed of the session's tiny family: ``$VLLM_NEMOTRON_SPEC_TEST_SEED``, default 0."""
+    return int(os.environ.get(SEED_ENV, "0"))
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tiny_seed):
+    """The tiny family of seed ``tiny_seed`` (the suite must pass for any), built once into the
+    cache ``$VLLM_NEMOTRON_SPEC_CACHE`` and reused by later sessions. Treat its files as
+    read-only."""
     from vllm_nemotron_spec.tiny.build import ensure_tiny_family
 
-    return ensure_tiny_family(seed=int(os.environ.get(SEED_ENV, "0")))
+    return ensure_tiny_family(seed=tiny_seed)

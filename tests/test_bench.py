@@ -555,10 +555,10 @@ def test_cli_errors_exit_2_before_any_engine(tmp_path, capsys):
     assert "--method dflash: needs a draft checkpoint" in capsys.readouterr().err
 
 
-def test_draft_checks_before_any_engine(tiny_family, capsys):
+def test_draft_checks_before_any_engine(tiny_family, tiny_seed, capsys):
     from vllm_nemotron_spec.cli.main import main
 
-    family = ["bench", "--family-dir", str(tiny_family.root)]
+    family = ["bench", "--family-dir", str(tiny_family.root), "--seed", str(tiny_seed)]
     assert main([*family, "--method", f"dflash:{tiny_family.dspark_draft}"]) == 2
     assert (
         f"--method dflash:{tiny_family.dspark_draft}: the draft is a dspark draft "
@@ -684,12 +684,14 @@ def prompt_file(tmp_path_factory):
 
 
 @pytest.mark.engine
-def test_offline_default_methods_on_tiny_family(tiny_family, tmp_path):
+def test_offline_default_methods_on_tiny_family(tiny_family, tiny_seed, tmp_path):
     plot = tmp_path / "bench.png"
     code, report, runs = run_cli(
         [
             "--family-dir",
             str(tiny_family.root),
+            "--seed",
+            str(tiny_seed),
             "--num-prompts",
             "2",
             "--max-tokens",
@@ -729,11 +731,13 @@ def test_offline_default_methods_on_tiny_family(tiny_family, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def offline_explicit(tiny_family, one_layer_dflash, prompt_file):
+def offline_explicit(tiny_family, tiny_seed, one_layer_dflash, prompt_file):
     return run_cli(
         [
             "--family-dir",
             str(tiny_family.root),
+            "--seed",
+            str(tiny_seed),
             "--prompts",
             str(prompt_file),
             "--max-tokens",

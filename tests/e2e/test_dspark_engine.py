@@ -25,6 +25,10 @@ MIN_MEAN_ACCEPTANCE_LENGTH = 2.5  # at gamma 3 (max 4)
 # The wrong-anchor twin drafts position L + k from the row trained for L + k + 1 (and with the
 # Markov input one token off): acceptance collapses to about one token.
 MAX_WRONG_ANCHOR_ACCEPTANCE_LENGTH = 1.5
+# Two draft logits closer than this may come out in either order in vLLM and in the plain torch
+# reference: from the same aux states their fp32 draft logits differ by at most 5.3e-6 (measured
+# on the families of seeds 0-2); a wrong window, sink, layout or weight moves them by 1e-1 or more.
+NEAR_TIE = 1e-4
 
 
 def _engine(tiny_family, draft, k=GAMMA, **extra):
@@ -58,6 +62,9 @@ def results(tiny_family, trained, prompts):
                 out["markov_w2_method"] = type(
                     drafter.model.model.markov_head.markov_w2.quant_method
                 ).__name__
+                # The prompt ran in the batch above: with its first KV block cached, the draft
+                # would get (and the recording hold) aux states for the uncached positions only.
+                assert llm.reset_prefix_cache()
                 with record_proposals() as steps:  # one request alone, the 150-token prompt
                     single = runs.generate(llm, [prompts[-1]], MAX_TOKENS, name)
                 out["recorded"] = (prompts[-1]["prompt_token_ids"], single.token_ids[0], steps)
@@ -106,31 +113,43 @@ def test_more_drafted_tokens_than_the_block_is_refused(tiny_family, trained):
 def test_vllm_proposals_are_the_reference_walk(tiny_family, trained, results):
     """Each proposal vLLM made equals the plain-torch reference (tiny/reference.py: backbone in the bonus-anchor
     layout, sliding window, sinks, then the greedy Markov walk) from the same committed tokens,
-    bonus token and vLLM's own aux hidden states."""
+    bonus token and vLLM's own aux hidden states, up to the first drafted position whose two best
+    reference logits are within rounding of each other (later drafts follow that token)."""
     import torch
 
     from vllm_nemotron_spec.tiny import reference as ref
-    from vllm_nemotron_spec.tiny import train_draft as td
 
     prompt, output, steps = results["recorded"]
+    assert steps[0].positions == list(range(len(prompt))), "the draft missed prompt positions"
     sequence = prompt + output
     model, _ = ref.load_draft_module(trained.dspark)
-    lm_head = td.target_lm_head(tiny_family.target)
+    lm_head = ref.target_lm_head(tiny_family.target)
     # the last steps see tokens beyond max_tokens (accepted, then cut from the output)
     aux = torch.zeros(len(sequence) + GAMMA + 2, steps[0].aux.shape[-1])
-    checked = 0
+    checked, near_ties = 0, []
     for step in steps:
         aux[step.positions] = step.aux
         committed = step.positions[-1] + 1
         if committed >= len(sequence):
             continue
         assert step.bonus == sequence[committed]
-        expected, _ = ref.dspark_propose(
+        expected, logits = ref.dspark_propose(
             model, lm_head, aux[:committed], torch.tensor(sequence[:committed]), step.bonus, GAMMA
         )
-        assert step.drafts == expected, f"step with {committed} committed tokens"
+        top = logits.topk(2, dim=-1).values
+        gaps = (top[:, 0] - top[:, 1]).tolist()
+        n = next((k for k, gap in enumerate(gaps) if gap < NEAR_TIE), GAMMA)
+        if n < GAMMA:
+            near_ties.append((committed, n, gaps[n]))
+        assert step.drafts[:n] == expected[:n], (
+            f"step with {committed} committed tokens: vLLM {step.drafts} != reference {expected} "
+            f"(top-2 logit gaps {[f'{g:.1e}' for g in gaps]})"
+        )
         checked += 1
     assert checked > 3
+    assert len(near_ties) <= max(1, checked // 10), (
+        f"near-ties (committed, position, gap): {near_ties}"
+    )
 
 
 # With temperature > 0 the trained draft is accepted much less than when greedy (the target's law

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from vllm_nemotron_spec import runs
 from vllm_nemotron_spec.nvfp4 import config as nvcfg
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 
@@ -140,13 +141,17 @@ def test_nvfp4_model_and_draft_run_on_vllm_cpu(checkpoints):
     quantized, twin = checkpoints
 
     llm = _llm(twin)
-    expected = _generate(llm)
-    del llm
+    try:
+        expected = _generate(llm)
+    finally:
+        runs.release(llm)
 
     llm = _llm(quantized)
-    assert llm.llm_engine.model_config.quantization == nvcfg.NAME
-    assert _generate(llm) == expected
-    del llm
+    try:
+        assert llm.llm_engine.model_config.quantization == nvcfg.NAME
+        assert _generate(llm) == expected
+    finally:
+        runs.release(llm)
 
     # The NVFP4 checkpoint as the draft of its own dequantized twin: lossless, and the draft
     # agrees with the target (same weights), so nearly every drafted token is accepted.
@@ -159,9 +164,12 @@ def test_nvfp4_model_and_draft_run_on_vllm_cpu(checkpoints):
         },
         disable_log_stats=False,
     )
-    spec = llm.llm_engine.vllm_config.speculative_config
-    assert spec.draft_model_config.quantization == nvcfg.NAME
-    assert llm.llm_engine.model_config.quantization is None
-    assert _generate(llm) == expected
-    drafted, accepted = _spec_counts(llm)
+    try:
+        spec = llm.llm_engine.vllm_config.speculative_config
+        assert spec.draft_model_config.quantization == nvcfg.NAME
+        assert llm.llm_engine.model_config.quantization is None
+        assert _generate(llm) == expected
+        drafted, accepted = _spec_counts(llm)
+    finally:
+        runs.release(llm)
     assert drafted > 0 and accepted >= 0.9 * drafted

@@ -200,11 +200,11 @@ def test_cache_dir_and_ensure(monkeypatch, tmp_path):
     assert calls == [(tmp_path / "cache" / "tiny-family-seed3", 3)]
 
 
-def test_session_family_is_complete(tiny_family):
-    assert build.is_complete(tiny_family.root, 0)
+def test_session_family_is_complete(tiny_family, tiny_seed):
+    assert build.is_complete(tiny_family.root, tiny_seed)
     m = tiny_family.manifest()
-    assert m["seed"] == 0 and m["params_hash"] == TinySpec().params_hash()
-    assert tiny_family.root.name == "tiny-family-seed0"
+    assert m["seed"] == tiny_seed and m["params_hash"] == TinySpec().params_hash()
+    assert tiny_family.root.name == f"tiny-family-seed{tiny_seed}"
 
 
 @pytest.mark.slow

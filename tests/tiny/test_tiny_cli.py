@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_nemotron_spec.cli import main as cli
+from vllm_nemotron_spec.tiny import build
 
 
 def test_help(capsys):
@@ -21,8 +22,13 @@ def test_listed_in_top_level_help(capsys):
     assert "make-tiny" in capsys.readouterr().out
 
 
-def test_reuses_existing_family_and_prints_paths(tiny_family, capsys):
-    assert cli.main(["make-tiny", str(tiny_family.root), "--seed", "0", "--quiet"]) == 0
+def test_reuses_existing_family_and_prints_paths(tiny_family, tiny_seed, capsys, monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("make-tiny rebuilt the complete session family")
+
+    monkeypatch.setattr(build, "_build_into", fail)
+    args = ["make-tiny", str(tiny_family.root), "--seed", str(tiny_seed), "--quiet"]
+    assert cli.main(args) == 0
     out = capsys.readouterr().out
     for path in (
         tiny_family.root,
