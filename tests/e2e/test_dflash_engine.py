@@ -35,13 +35,6 @@ MAX_SHIFTED_MEAN_ACCEPTANCE_LENGTH = 1.3
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_family):
-    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
-
-    return ensure_trained_drafts(seed=0, family=tiny_family)
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny_family):
     """The corpus-style sample prompts plus long ones: windows of unseen corpus documents
     (``<s> doc </s> <s> doc ...``), as token ids."""

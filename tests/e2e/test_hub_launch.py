@@ -20,9 +20,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (hub_server)
-from hub_server import LoopbackHub
-
+from tests.hub_server import LoopbackHub
 from vllm_nemotron_spec.bench import client as http
 from vllm_nemotron_spec.bench import server as serve
 
@@ -49,13 +47,6 @@ def _wrong_fc_files(draft: Path) -> dict[str, bytes]:
     files["model.safetensors"] = out.read_bytes()
     out.unlink()
     return files
-
-
-@pytest.fixture(scope="module")
-def trained(tiny_family):
-    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
-
-    return ensure_trained_drafts(seed=0, family=tiny_family)
 
 
 @pytest.fixture(scope="module")

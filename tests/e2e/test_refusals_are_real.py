@@ -21,13 +21,6 @@ from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-def trained(tiny_family):
-    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
-
-    return ensure_trained_drafts(seed=0, family=tiny_family)
-
-
 def _wrong_fc_draft(draft, out):
     from safetensors.torch import load_file, save_file
 

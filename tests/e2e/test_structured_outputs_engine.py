@@ -83,13 +83,6 @@ def _generate(llm, prompts, params) -> tuple[list[Output], runs.SpecCounters]:
 
 
 @pytest.fixture(scope="module")
-def trained(tiny_family):
-    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
-
-    return ensure_trained_drafts(seed=0, family=tiny_family)
-
-
-@pytest.fixture(scope="module")
 def results(tiny_family, trained):
     """{(backend, method): EngineRun} for method in plain, dflash, dspark."""
     runs.set_cpu_engine_defaults()
