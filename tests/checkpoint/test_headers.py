@@ -307,3 +307,28 @@ def test_no_weights(tmp_path):
         "no model.safetensors, model.safetensors.index.json or *.safetensors"
         in scan_checkpoint(str(tmp_path)).problems[0]
     )
+
+
+def test_pytorch_weights_defer_the_header_check(small_dspark, tmp_path):
+    """A draft stored as PyTorch pickles (vLLM's loader falls back to them) is not refused: its
+    headers cannot be read without loading, so the check is deferred, naming the files."""
+    import shutil
+
+    from vllm_nemotron_spec.checkpoint.headers import draft_headers
+    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
+
+    d = tmp_path / "bin"
+    shutil.copytree(small_dspark, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    (d / "pytorch_model.bin").write_bytes(b"not read")
+    source = draft_headers(str(d))
+    assert source.scan is None
+    assert "PyTorch weights (`pytorch_model.bin`)" in source.where
+    report = inspect_checkpoint(str(d))
+    assert report["weights_deferred"] and report["problems"] == [], report["problems"]
+    # With safetensors files beside them, the safetensors headers are read as usual.
+    shutil.copy(os.path.join(small_dspark, "model.safetensors"), d)
+    assert draft_headers(str(d)).scan.files == ("model.safetensors",)
+    # Neither kind: still refused, naming what was expected.
+    os.remove(d / "pytorch_model.bin")
+    os.remove(d / "model.safetensors")
+    assert "no model.safetensors" in draft_headers(str(d)).scan.problems[0]

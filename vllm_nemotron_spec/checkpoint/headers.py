@@ -610,6 +610,16 @@ def cached_snapshot(repo_id: str, revision: str | None = None) -> str | None:
     return snapshot if os.path.isdir(snapshot) else None
 
 
+def pytorch_weight_files(directory: str) -> list[str]:
+    """The PyTorch pickle weight files (``*.bin``, ``*.pt``, ``*.pth``) directly in
+    ``directory``, which vLLM's default loader falls back to without safetensors files."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")))
+
+
 def weights_present(directory: str) -> bool:
     """Whether ``directory`` holds a complete set of safetensors files (every shard an index
     names, or ``model.safetensors``, or some ``*.safetensors`` file without an index)."""
@@ -632,6 +642,15 @@ def draft_headers(model: str, revision: str | None = None, hub: bool = True) -> 
     ``revision``, with the saved token and ``HF_ENDPOINT``). Never downloads a weight."""
     if not is_repo_id(model):
         directory = model if os.path.isdir(model) else os.path.dirname(model) or "."
+        pickles = pytorch_weight_files(directory)
+        if pickles and not weights_present(directory):
+            # vLLM loads PyTorch pickles when no safetensors file is there; their tensor
+            # headers cannot be read without unpickling, so the check is left to load time.
+            return HeaderSource(
+                None,
+                f"local directory {directory} holds PyTorch weights ({_names(pickles, 3)}), "
+                "whose tensor headers cannot be read without loading them",
+            )
         return HeaderSource(scan_checkpoint(directory), f"local directory {directory}")
     snapshot = cached_snapshot(model, revision)
     if snapshot is not None and weights_present(snapshot):
