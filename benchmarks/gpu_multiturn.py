@@ -12,7 +12,9 @@ official layout and size, random NVFP4 weights, loaded for real), and its synthe
 3.69 at 7, DSpark at 3 drafts keeping the 7-draft per-position rate). Rows (``--runs``, the names
 of gpu_lightning.py): plain, dspark3-ours, dspark3-upstream, dspark7-ours, dspark7-upstream,
 dflash5-ours, dflash5-upstream; "upstream" = the same draft with vLLM alone (``VLLM_PLUGINS=""``),
-plain also runs without the plugin. Each row is one server, started once, with
+plain also runs without the plugin. Each row is one server (``--instances K``: K servers a row,
+started in turn with the other rows', each compared with the same-numbered server of the others and
+summarised across servers: two servers of one row differ more than repeats in one server), with
 ``--enable-prefix-caching --mamba-cache-mode align --kv-cache-dtype fp8`` (``--no-recipe`` drops
 them), CUDA graphs unless ``--eager``.
 
@@ -215,7 +217,7 @@ def speculative_config(args, spec, models: dict) -> dict | None:
     return sc
 
 
-def run_row(args, spec, models: dict, vocab: int, out: Path) -> dict:
+def run_row(args, spec, models: dict, vocab: int, out: Path, name: str) -> dict:
     entry = {"name": spec.name, "method": spec.method, "gamma": spec.gamma, "plugin": spec.plugin}
     if spec.method:
         _, alpha, expected = gl.acceptance_rates(spec.method, spec.gamma)
@@ -223,7 +225,7 @@ def run_row(args, spec, models: dict, vocab: int, out: Path) -> dict:
     sc = speculative_config(args, spec, models)
     sargs = server_args(args, spec)
     entry.update(server_args=sargs, speculative_config=sc)
-    log = out / "logs" / f"{spec.name}.log"
+    log = out / "logs" / f"{name}.log"
     t0 = time.time()
     server = _common.launch(
         models["target"],
@@ -321,27 +323,73 @@ NOTE = (
 )
 
 
+def instance_name(row: str, instance: int, instances: int) -> str:
+    """``row`` with one server, else ``row#k`` (k from 1) for its k-th server."""
+    return row if instances == 1 else f"{row}#{instance + 1}"
+
+
+def _tok_s(run: dict | None, conc: int) -> float | None:
+    for c in (run or {}).get("concurrency") or []:
+        if c["concurrency"] == conc:
+            return c.get("output_tok_s")
+    return None
+
+
+def across_instances(runs: list[dict]) -> list[str]:
+    """Markdown lines: per row with several servers and per concurrency, the median of the
+    servers' median tok/s with their range, and the plugin's median over vLLM alone's."""
+    by_row: dict[str, list[dict]] = {}
+    for r in runs:
+        if r.get("concurrency"):
+            by_row.setdefault(r.get("row", r["name"]), []).append(r)
+    medians: dict[tuple[str, int], tuple[float, list[float]]] = {}
+    for row, servers in by_row.items():
+        for conc in sorted({c["concurrency"] for r in servers for c in r["concurrency"]}):
+            vals = [v for v in (_tok_s(r, conc) for r in servers) if v is not None]
+            if len(vals) > 1:
+                medians[row, conc] = (statistics.median(vals), vals)
+    if not medians:
+        return []
+    lines = [
+        "",
+        "Across servers (median of the servers' medians [min-max], servers):",
+        "",
+        "| row | conc | output tok/s | x upstream | servers |",
+        "|---|---|---|---|---|",
+    ]
+    for (row, conc), (med, vals) in medians.items():
+        up = (
+            medians.get((row.replace("-ours", "-upstream"), conc))
+            if row.endswith("-ours")
+            else None
+        )
+        ratio = f"{med / up[0]:.2f}" if up else ""
+        lines.append(
+            f"| {row} | {conc} | {med:.1f} [{min(vals):.0f}-{max(vals):.0f}] | {ratio} | {len(vals)} |"
+        )
+    return lines
+
+
 def markdown(result: dict) -> str:
     rows = []
     by_name = {r["name"]: r for r in result["runs"]}
 
     def tps(name, conc):
-        for c in (by_name.get(name) or {}).get("concurrency") or []:
-            if c["concurrency"] == conc:
-                return c.get("output_tok_s")
-        return None
+        return _tok_s(by_name.get(name), conc)
 
     for r in result["runs"]:
         if not r.get("concurrency"):
             err = str(r.get("error") or r.get("status"))[:200].replace("|", "/").replace("\n", " ")
             rows.append(f"| {r['name']} | | | | | | | | | | | {r.get('startup_s', '')} | {err} |")
             continue
+        row = r.get("row", r["name"])
+        suffix = r["name"][len(row) :]  # "#k": compared with the k-th server of the other rows
         for c in r["concurrency"]:
             t = c.get("output_tok_s")
-            base = tps("plain", c["concurrency"])
+            base = tps("plain" + suffix, c["concurrency"])
             up = (
-                tps(r["name"].replace("-ours", "-upstream"), c["concurrency"])
-                if r["name"].endswith("-ours")
+                tps(row.replace("-ours", "-upstream") + suffix, c["concurrency"])
+                if row.endswith("-ours")
                 else None
             )
             acc = c.get("mean_acceptance_length")
@@ -358,7 +406,8 @@ def markdown(result: dict) -> str:
                 f"{c.get('preemptions', '')} | {r.get('startup_s', '')} | {r['status']} |"
             )
     title = "Multi-turn serving benchmark (vllm serve, recipe cache flags, Lightning widths)"
-    return _common.results_markdown(title, result["setup"], COLUMNS, rows, NOTE)
+    note = "\n".join([NOTE, *across_instances(result["runs"])])
+    return _common.results_markdown(title, result["setup"], COLUMNS, rows, note)
 
 
 def main(argv=None) -> int:
@@ -409,6 +458,13 @@ def main(argv=None) -> int:
         help="add "
         + " ".join(FLASHINFER_SERVE_ARGS)
         + " (and FLASHINFER draft attention for DFlash)",
+    )
+    p.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="servers per row, started in turn with the other rows' (default 1): tok/s differs "
+        "more between two servers of the same row than between repeats in one",
     )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -473,7 +529,8 @@ def main(argv=None) -> int:
             f"blocks), hidden {target_cfg['hidden_size']}, vocab {vocab}, random weights (load_format dummy)",
             "drafts": "official layout and size, random NVFP4 W4A16 weights (gpu_lightning.build_models)",
             "workload": f"{args.prefix_tokens}-token shared prefix, {args.turns} turns of {args.user_tokens} user + "
-            f"{args.output_tokens} output tokens, concurrency {args.concurrency}, {args.repeats} repeats",
+            f"{args.output_tokens} output tokens, concurrency {args.concurrency}, {args.repeats} repeats"
+            f", {args.instances} server(s) per row",
             "cache_flags": " ".join(_common.RECIPE_FLAGS) if args.recipe else "engine defaults",
             "flashinfer": " ".join(FLASHINFER_SERVE_ARGS) if args.flashinfer else "no",
             "acceptance": "standard rejection sampling (CPU)"
@@ -501,13 +558,18 @@ def main(argv=None) -> int:
             "output_tokens",
             "recipe",
             "flashinfer",
+            "instances",
             "dtype",
             "eager",
         )
     }
     longest = 0.0
-    for name in names:
-        spec = ROWS[name]
+    # Servers of different rows alternate (A#1, B#1, A#2, B#2, ...), so a drift of the machine
+    # over the run does not fall on one row.
+    order = [(name, i) for i in range(args.instances) for name in names]
+    for row, instance in order:
+        spec = ROWS[row]
+        name = instance_name(row, instance, args.instances)
         kept = out / "runs" / f"{name}.json"
         previous = json.loads(kept.read_text()) if kept.is_file() else None
         if (
@@ -529,13 +591,14 @@ def main(argv=None) -> int:
             print(
                 f"[{time.time() - t_start:5.0f}s] {name}: skipped (budget: {remaining:.0f} s left, ~{need:.0f} s needed)"
             )
-            result["runs"].append({"name": name, "status": "skipped: time budget"})
+            result["runs"].append({"name": name, "row": row, "status": "skipped: time budget"})
             save()
             continue
         if spec.plugin and not have_plugin:
             result["runs"].append(
                 {
                     "name": name,
+                    "row": row,
                     "status": "error",
                     "error": "plugin entry point 'nemotron_spec' "
                     "not installed: pip install --no-deps -e .",
@@ -545,8 +608,8 @@ def main(argv=None) -> int:
             continue
         print(f"[{time.time() - t_start:5.0f}s] {name}: starting", flush=True)
         t0 = time.time()
-        entry = run_row(args, spec, models, vocab, out)
-        entry["fingerprint"] = fingerprint
+        entry = run_row(args, spec, models, vocab, out, name)
+        entry.update(name=name, row=row, fingerprint=fingerprint)
         longest = max(longest, time.time() - t0)
         kept.write_text(json.dumps(entry, indent=1))
         result["runs"].append(entry)
@@ -563,7 +626,7 @@ def main(argv=None) -> int:
     ok = all(
         str(r.get("status", "")).startswith(("ok", "skipped"))
         for r in result["runs"]
-        if r["name"] in must
+        if r.get("row", r["name"]) in must
     )
     return 0 if ok else 1
 
