@@ -38,7 +38,6 @@ import math
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -610,21 +609,16 @@ def graph_reference(
              "engine": gl.engine_kwargs(ns, models["target"], spec), "vocab": entry["vocab"],
              "input_len": args.input_len, "output_len": args.profile_tokens,
              "concurrency": args.concurrency, "warmup_tokens": 8, "repeats": 1,
-             "speculative": {"method": spec.method, "model": models[spec.method],
-                             "num_speculative_tokens": spec.gamma,
-                             "rejection_sample_method": "synthetic",
-                             "synthetic_acceptance_rates": entry["synthetic_acceptance_rates"]}}  # fmt: skip
+             "speculative": gl.speculative_config(spec, models, smoke=False)}  # fmt: skip
     spec_file = out / "runs" / f"{spec.name}.graph.spec.json"
     spec_file.write_text(json.dumps(child, indent=1))
-    with open(out / "logs" / f"{spec.name}.graphs.log", "w") as fh:
-        proc = subprocess.Popen([sys.executable, str(Path(gl.__file__).resolve()), "--child", str(spec_file)],
-                                env=gl.run_env(spec), stdout=fh, stderr=subprocess.STDOUT,
-                                cwd=str(gl.REPO), start_new_session=True)  # fmt: skip
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        gl._kill_group(proc)
+    gl.run_child(
+        Path(gl.__file__),
+        spec_file,
+        gl.run_env(spec),
+        out / "logs" / f"{spec.name}.graphs.log",
+        timeout,
+    )
     got = json.loads(result_file.read_text()) if result_file.is_file() else {}
     return {"status": got.get("status", "no result"),
             "draft_ms_per_step": {c["concurrency"]: c.get("draft_ms_per_step") for c in got.get("concurrency", [])},
@@ -689,12 +683,7 @@ def parent_main(args) -> int:
                                 eager=True, input_len=args.input_len, output_len=args.profile_tokens,
                                 gpu_memory_utilization=args.gpu_memory_utilization)  # fmt: skip
         engine = gl.engine_kwargs(ns, models["target"], spec)
-        speculative = {"method": spec.method, "model": models[spec.method],
-                       "num_speculative_tokens": spec.gamma}  # fmt: skip
-        if not args.smoke:
-            speculative.update(
-                rejection_sample_method="synthetic", synthetic_acceptance_rates=rates
-            )
+        speculative = gl.speculative_config(spec, models, args.smoke)
         result_file = out / "runs" / f"{name}.json"
         child = {"name": name, "smoke": args.smoke, "result_file": str(result_file), "engine": engine,
                  "speculative": speculative, "method": spec.method, "gamma": spec.gamma,
@@ -715,15 +704,7 @@ def parent_main(args) -> int:
             f"[{elapsed:6.0f}s] {name}: starting (timeout {timeout:.0f} s, log {log})", flush=True
         )
         t0 = time.time()
-        with open(log, "w") as fh:
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(spec_file)],
-                                    env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=str(gl.REPO),
-                                    start_new_session=True)  # fmt: skip
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            gl._kill_group(proc)
+        rc = gl.run_child(Path(__file__), spec_file, env, log, timeout)
         took = time.time() - t0
         longest = max(longest, took)
         got = (

