@@ -332,3 +332,29 @@ def test_pytorch_weights_defer_the_header_check(small_dspark, tmp_path):
     os.remove(d / "pytorch_model.bin")
     os.remove(d / "model.safetensors")
     assert "no model.safetensors" in draft_headers(str(d)).scan.problems[0]
+
+
+def test_pytorch_weights_in_the_hub_cache_defer_the_header_check(
+    small_dspark, tmp_path, monkeypatch
+):
+    """The same for a Hub id whose cached snapshot holds PyTorch pickles only (what vLLM
+    downloads for such a repo): deferred, naming the cache, not "not in the cache"."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from vllm_nemotron_spec.checkpoint.headers import draft_headers
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    storage = tmp_path / "hub" / "models--org--bin-draft"
+    (storage / "refs").mkdir(parents=True)
+    (storage / "refs" / "main").write_text("abc123")
+    snapshot = storage / "snapshots" / "abc123"
+    shutil.copytree(small_dspark, snapshot, ignore=shutil.ignore_patterns("*.safetensors"))
+    (snapshot / "pytorch_model.bin").write_bytes(b"not read")
+    source = draft_headers("org/bin-draft", hub=False)
+    assert source.scan is None
+    assert source.where == (
+        f"Hugging Face cache {snapshot} holds PyTorch weights (`pytorch_model.bin`), whose "
+        "tensor headers cannot be read without loading them"
+    )

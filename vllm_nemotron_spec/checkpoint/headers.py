@@ -642,19 +642,10 @@ def draft_headers(model: str, revision: str | None = None, hub: bool = True) -> 
     ``revision``, with the saved token and ``HF_ENDPOINT``). Never downloads a weight."""
     if not is_repo_id(model):
         directory = model if os.path.isdir(model) else os.path.dirname(model) or "."
-        pickles = pytorch_weight_files(directory)
-        if pickles and not weights_present(directory):
-            # vLLM loads PyTorch pickles when no safetensors file is there; their tensor
-            # headers cannot be read without unpickling, so the check is left to load time.
-            return HeaderSource(
-                None,
-                f"local directory {directory} holds PyTorch weights ({_names(pickles, 3)}), "
-                "whose tensor headers cannot be read without loading them",
-            )
-        return HeaderSource(scan_checkpoint(directory), f"local directory {directory}")
+        return _directory_headers(directory, f"local directory {directory}")
     snapshot = cached_snapshot(model, revision)
-    if snapshot is not None and weights_present(snapshot):
-        return HeaderSource(scan_checkpoint(snapshot), f"Hugging Face cache {snapshot}")
+    if snapshot is not None and (weights_present(snapshot) or pytorch_weight_files(snapshot)):
+        return _directory_headers(snapshot, f"Hugging Face cache {snapshot}")
     from huggingface_hub import constants
 
     at = f"{model}@{revision or 'main'}"
@@ -662,6 +653,20 @@ def draft_headers(model: str, revision: str | None = None, hub: bool = True) -> 
         why = "HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else "Hub not asked"
         return HeaderSource(None, f"{why} and the weights of {at} are not in the cache")
     return _hub_headers(model, revision, at)
+
+
+def _directory_headers(directory: str, where: str) -> HeaderSource:
+    """The headers of the checkpoint in ``directory``; none when it holds only PyTorch pickles
+    (vLLM loads them when no safetensors file is there, but their tensor headers cannot be read
+    without unpickling, so the check is left to load time)."""
+    pickles = pytorch_weight_files(directory)
+    if pickles and not weights_present(directory):
+        return HeaderSource(
+            None,
+            f"{where} holds PyTorch weights ({_names(pickles, 3)}), whose tensor headers cannot "
+            "be read without loading them",
+        )
+    return HeaderSource(scan_checkpoint(directory), where)
 
 
 def _hub_headers(model: str, revision: str | None, at: str) -> HeaderSource:
