@@ -23,21 +23,38 @@ from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 pytestmark = pytest.mark.engine
 
 
-def _wrong_fc_draft(draft, out):
+def _changed_draft(draft, out, config=None, tensors=None):
+    """A copy of ``draft`` with ``config(cfg)`` / ``tensors(dict)`` applied in place."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(draft, out)
-    tensors = load_file(str(draft / "model.safetensors"))
-    tensors["fc.weight"] = tensors["fc.weight"][:, :-8].contiguous()
-    save_file(tensors, str(out / "model.safetensors"))
+    if config is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        config(cfg)
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tensors is not None:
+        weights = load_file(str(out / "model.safetensors"))
+        tensors(weights)
+        save_file(weights, str(out / "model.safetensors"))
     return out
+
+
+def _dspark(draft):
+    return {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3}
+
+
+def _wrong_fc_draft(draft, out):
+    def cut(weights):
+        weights["fc.weight"] = weights["fc.weight"][:, :-8].contiguous()
+
+    return _changed_draft(draft, out, tensors=cut)
 
 
 def test_a_refused_fc_shape_fails_loading_without_the_check_too(
     tiny_family, trained, tmp_path, monkeypatch
 ):
     draft = _wrong_fc_draft(trained.dspark, tmp_path / "wrong-fc")
-    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3}
+    spec = _dspark(draft)
     runs.set_cpu_engine_defaults()
     with pytest.raises(
         Exception, match=r"Nemotron 3\.5 draft .*`fc.weight`: found U8 \[128, 376\]"
@@ -55,22 +72,6 @@ def test_a_refused_fc_shape_fails_loading_without_the_check_too(
 
 
 PROMPTS = [{"prompt_token_ids": [1, 5, 17, 300, 9, 33]}]
-
-
-def _changed_draft(draft, out, config=None, tensors=None):
-    """A copy of ``draft`` with ``config(cfg)`` / ``tensors(dict)`` applied in place."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(draft, out)
-    if config is not None:
-        cfg = json.loads((out / "config.json").read_text())
-        config(cfg)
-        (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    if tensors is not None:
-        weights = load_file(str(out / "model.safetensors"))
-        tensors(weights)
-        save_file(weights, str(out / "model.safetensors"))
-    return {"method": "dspark", "model": str(out), "num_speculative_tokens": 3}
 
 
 def _refused_then_unchecked(target, spec, problem, monkeypatch):
@@ -101,7 +102,7 @@ def test_an_aux_id_beyond_the_target_fails_the_first_request_without_the_check(
         cfg["eagle_aux_hidden_state_layer_ids"][-1] = 15
         cfg["target_layer_ids"][-1] = cfg["dflash_config"]["target_layer_ids"][-1] = 14
 
-    spec = _changed_draft(trained.dspark, tmp_path / "aux", config=beyond)
+    spec = _dspark(_changed_draft(trained.dspark, tmp_path / "aux", config=beyond))
     _refused_then_unchecked(
         tiny_family.target,
         spec,
@@ -144,7 +145,9 @@ def test_a_vocab_size_unlike_the_target_fails_without_the_check(
             rows = weights[name]
             weights[name] = torch.cat([rows, rows])[:vocab].contiguous()
 
-    spec = _changed_draft(trained.dspark, tmp_path / "vocab", config=config, tensors=tensors)
+    spec = _dspark(
+        _changed_draft(trained.dspark, tmp_path / "vocab", config=config, tensors=tensors)
+    )
     _refused_then_unchecked(
         tiny_family.target,
         spec,
@@ -173,7 +176,7 @@ def test_an_fc_width_unlike_the_target_hidden_fails_the_first_request_without_th
         weights["fc.weight"] = weights["fc.weight"][:, : 6 * 96 // 2].contiguous()
         weights["fc.weight_scale"] = weights["fc.weight_scale"][:, : 6 * 96 // 16].contiguous()
 
-    spec = _changed_draft(trained.dspark, tmp_path / "fc", config=config, tensors=tensors)
+    spec = _dspark(_changed_draft(trained.dspark, tmp_path / "fc", config=config, tensors=tensors))
     _refused_then_unchecked(
         tiny_family.target,
         spec,
