@@ -17,7 +17,8 @@ plugin's models and vLLM's own DFlash/DSpark models share) and by wrappers of it
 draft step, the Markov walk). Each CUDA kernel (memcpy, memset) is attributed, through the trace's
 correlation id, to the innermost range open on the launching thread when it was launched; the
 outermost "draft_step" range delimits a step. The first ``--skip-steps`` steps (prefill) and the
-last step are dropped. Per part: GPU ms per step (sum of kernel durations), kernels per step, and
+last step are dropped. Per part: GPU ms per step (sum of kernel durations), kernels per step, its
+largest kernels by name (layer 0 stands for every layer), and
 its floor = bytes it must read (its weights' storage bytes as loaded: BF16, packed NVFP4 + scales;
 the lm_head's 131072 x 2688 BF16; the Markov walk reads ``markov_w2`` once per drafted token;
 activations and KV-cache reads neglected) / ``--bandwidth-gbs`` (default 4300, the H200's measured
@@ -54,6 +55,7 @@ DEFAULT_RUNS = "dspark7-ours,dspark7-upstream,dflash5-ours"
 GPU_KERNEL_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 SMOKE_MUST = ("dflash5-ours", "dspark7-ours")
+TOP_KERNELS = 4  # kernels named per part, by GPU time
 
 # ---------------------------------------------------------------------------------------------
 # parts: names of the draft model's submodules and methods -> part
@@ -141,7 +143,8 @@ def attribute(events: list[dict], device: bool = True) -> dict:
     launch (found by the ``correlation`` id shared by the kernel and its runtime launch call); a
     CPU op to the innermost range open at its start. The step is the outermost open ``draft_step``
     range. Returns ``{"steps": [{part: [count, us]}, ...] (in time order), "outside": {part:
-    [count, us]} (in a range but no draft step), "unattributed": [count, us]}``."""
+    [count, us]} (in a range but no draft step), "unattributed": [count, us], "kernel_names":
+    [{part: {kernel name: [count, us]}}, ...] (per step, as "steps")}``."""
     ranges = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
               and str(e.get("name", "")).startswith(RANGE_PREFIX)]  # fmt: skip
     if device:
@@ -157,17 +160,22 @@ def attribute(events: list[dict], device: bool = True) -> dict:
                 if launch is None:
                     unmatched += 1
                     continue
-                items.append((_thread(launch), launch["ts"], float(e.get("dur", 0.0))))
+                items.append(
+                    (_thread(launch), launch["ts"], float(e.get("dur", 0.0)), e.get("name", ""))
+                )
     else:
         ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
-        items = [(_thread(e), e["ts"], float(e.get("dur", 0.0))) for e in _top_level(ops)]
+        items = [
+            (_thread(e), e["ts"], float(e.get("dur", 0.0)), e.get("name", ""))
+            for e in _top_level(ops)
+        ]
         unmatched = 0
     # sweep per thread: range starts (0), points (1), range ends (2) at equal times in that order
     timeline = defaultdict(list)
     for i, r in enumerate(ranges):
         timeline[_thread(r)].append((r["ts"], 0, -r.get("dur", 0), i))
         timeline[_thread(r)].append((r["ts"] + r.get("dur", 0), 2, 0, i))
-    for j, (thread, ts, _dur) in enumerate(items):
+    for j, (thread, ts, _dur, _name) in enumerate(items):
         timeline[thread].append((ts, 1, 0, j))
     step_index: dict[int, int] = {}
     steps: list[dict] = []
@@ -198,11 +206,17 @@ def attribute(events: list[dict], device: bool = True) -> dict:
                         step_index[outer] = len(steps)
                         steps.append({"_ts": ranges[outer]["ts"]})
                     bucket = steps[step_index[outer]]
+                    named = bucket.setdefault("_names", {}).setdefault(part, {})
+                    kernel = named.setdefault(items[idx][3], [0, 0.0])
+                    kernel[0] += 1
+                    kernel[1] += dur
                 cell = bucket.setdefault(part, [0, 0.0])
                 cell[0] += 1
                 cell[1] += dur
     steps.sort(key=lambda s: s.pop("_ts"))
-    return {"steps": steps, "outside": dict(outside), "unattributed": unattributed}
+    names = [s.pop("_names", {}) for s in steps]
+    return {"steps": steps, "outside": dict(outside), "unattributed": unattributed,
+            "kernel_names": names}  # fmt: skip
 
 
 def summarize(attributed: dict, skip_first: int, skip_last: int, floors_bytes: dict,
@@ -224,6 +238,18 @@ def summarize(attributed: dict, skip_first: int, skip_last: int, floors_bytes: d
                      "kernels_per_step": count / n if n else None, "floor_bytes": floor_b,
                      "floor_ms": floor_ms, "ratio": ms / floor_ms if ms and floor_ms else None})  # fmt: skip
     totals = [sum(c[1] for c in s.values()) / 1e3 for s in kept]
+    names = (attributed.get("kernel_names") or [{}] * len(steps))[skip_first : skip_first + n]
+    for row in rows:
+        per_name: dict = defaultdict(lambda: [0, 0.0])
+        for step in names:
+            for name, (count, us) in step.get(row["part"], {}).items():
+                per_name[name][0] += count
+                per_name[name][1] += us
+        top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+        row["top_kernels"] = [
+            {"name": name, "us_per_step": us / n, "per_step": count / n}
+            for name, (count, us) in top
+        ]
     total_floor_b = sum(floors_bytes.values())
     total_ms = statistics.mean(totals) if totals else None
     total_floor = floor_ms_of(total_floor_b, bandwidth_gbs)
@@ -558,6 +584,18 @@ def child_main(spec_file: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
+def _short(name: str, width: int = 90) -> str:
+    """A kernel's name without template arguments, cut to ``width`` characters."""
+    out, depth = [], 0
+    for ch in name:
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">" and depth > 0
+    text = "".join(out).replace("|", "/")
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _fmt(x, spec=".3f"):
     return "" if x is None else format(x, spec)
 
@@ -591,6 +629,22 @@ def markdown(results: dict) -> str:
             lines.append(f"| **total** | {_fmt(c['total_ms_per_step'])} | "
                          f"{_fmt(c['total_kernels_per_step'], '.1f')} | {c['total_floor_bytes'] / 1e6:.1f} | "
                          f"{_fmt(c['total_floor_ms'])} | {_fmt(c['total_ratio'], '.2f')} |")  # fmt: skip
+            named = [
+                row
+                for row in c["rows"]
+                if row.get("top_kernels")
+                and not row["part"].startswith(tuple(f"layer{i}." for i in range(1, 64)))
+            ]  # layer 0 stands for every layer
+            if named:
+                lines += [
+                    "",
+                    "| part | kernel (largest GPU time first) | us/step | launches/step |",
+                    "|---|---|---|---|",
+                ]
+                for row in named:
+                    for k in row["top_kernels"]:
+                        lines.append(f"| {row['part']} | `{_short(k['name'])}` | {k['us_per_step']:.1f} | "
+                                     f"{k['per_step']:.1f} |")  # fmt: skip
     lines += ["", "GPU ms/step: sum of the durations of the kernels attributed to the part (eager mode; launch "
               "gaps not counted; CPU ms/step on a machine without CUDA: its top-level CPU ops). Floor: the part's weight bytes as loaded (markov_walk: markov_w2 once per "
               "drafted token; context_kv: fc, hidden_norm and the layers' K/V projection rows) / bandwidth."]  # fmt: skip

@@ -305,6 +305,7 @@ COLUMNS = [
     "server TTFT / TPOT ms",
     "acceptance (measured / expected)",
     "prefix hit rate",
+    "hits / reachable",
     "preemptions",
     "startup s",
     "status",
@@ -312,8 +313,36 @@ COLUMNS = [
 NOTE = (
     "Median repeat by output tok/s, [min-max] over the repeats in one engine. x upstream: the "
     'same row with vLLM alone (VLLM_PLUGINS=""). Prefix hit rate: prefix-cache hit tokens / '
-    "queried tokens over the timed turns (the shared prefix was sent once before them)."
+    "queried tokens over the timed turns (the shared prefix was sent once before them). Hits / "
+    "reachable: hit tokens / the most that whole blocks of the row's block size allow (what the "
+    "prefix cache holds before each turn: the shared prefix, then each earlier turn's prompt and "
+    "answer but its last token, which is never fed back); 1.000 = no block backed off. The block "
+    "size differs by row: vLLM sizes it to Mamba's state, whose conv state holds the draft tokens."
 )
+
+
+def reachable_prefix_hits(block: int, prefix: int, turns: int, user: int, output: int) -> int:
+    """Most prefix-cache hit tokens one conversation of this workload can get with ``block``-token
+    blocks: before turn t the cache holds the shared prefix and every earlier prompt and answer
+    (an answer's last token is sampled, never computed); a hit is whole blocks, below the prompt's
+    last token (vLLM recomputes at least one token)."""
+    cached, hits = prefix, 0
+    for t in range(1, turns + 1):
+        prompt = prefix + t * user + (t - 1) * output
+        hits += min(cached, prompt - 1) // block * block
+        cached = max(cached, prompt + output - 1)
+    return hits
+
+
+def _hits_over_reachable(run: dict, c: dict) -> float | None:
+    fp = run.get("fingerprint") or {}
+    block = (run.get("cache_config") or {}).get("block_size")
+    hits = c.get("prefix_cache_hits")
+    keys = ("prefix_tokens", "turns", "user_tokens", "output_tokens")
+    if block is None or hits is None or not all(k in fp for k in keys):
+        return None
+    reach = c["concurrency"] * reachable_prefix_hits(int(block), *(fp[k] for k in keys))
+    return hits / reach if reach else None
 
 
 def instance_name(row: str, instance: int, instances: int) -> str:
@@ -373,7 +402,7 @@ def markdown(result: dict) -> str:
     for r in result["runs"]:
         if not r.get("concurrency"):
             err = str(r.get("error") or r.get("status"))[:200].replace("|", "/").replace("\n", " ")
-            rows.append(f"| {r['name']} | | | | | | | | | | | {r.get('startup_s', '')} | {err} |")
+            rows.append(f"| {r['name']} | | | | | | | | | | | | {r.get('startup_s', '')} | {err} |")
             continue
         row = r.get("row", r["name"])
         suffix = r["name"][len(row) :]  # "#k": compared with the k-th server of the other rows
@@ -396,6 +425,7 @@ def markdown(result: dict) -> str:
                 f"{_f(c.get('server_ttft_ms'), '{:.1f}')} / {_f(c.get('server_tpot_ms'), '{:.2f}')} | "
                 f"{_f(acc, '{:.2f}', '-')}{_f(exp, ' / {:.2f}')} | "
                 f"{_f(hit, '{:.3f}', '-')}{_range(c.get('prefix_hit_rate_all'), '{:.3f}')} | "
+                f"{_f(_hits_over_reachable(r, c), '{:.3f}', '-')} | "
                 f"{c.get('preemptions', '')} | {r.get('startup_s', '')} | {r['status']} |"
             )
     title = "Multi-turn serving benchmark (vllm serve, recipe cache flags, Lightning widths)"

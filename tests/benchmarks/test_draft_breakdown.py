@@ -70,6 +70,18 @@ def test_kernels_go_to_the_innermost_range_of_their_launch():
     assert a["outside"] == {"context_kv": [1, 2.0]}
 
 
+def test_kernels_are_named_per_part_over_the_kept_steps():
+    a = bd.attribute(two_steps(), device=True)
+    assert a["kernel_names"][0]["lm_head"] == {"k102": [1, 40.0], "k103": [1, 5.0]}
+    s = bd.summarize(a, skip_first=1, skip_last=0, floors_bytes={}, bandwidth_gbs=4300.0)
+    rows = {r["part"]: r for r in s["rows"]}
+    assert rows["lm_head"]["top_kernels"] == [
+        {"name": "k202", "us_per_step": 40.0, "per_step": 1.0},
+        {"name": "k203", "us_per_step": 5.0, "per_step": 1.0},
+    ]
+    assert bd._short("void f<int, g<2>>(float)") == "void f(float)"
+
+
 def test_unmatched_kernels_are_counted():
     ev = two_steps() + [{"ph": "X", "cat": "kernel", "name": "orphan", "ts": 5, "dur": 4.0,
                          "pid": 1, "tid": 7, "args": {"correlation": 12345}}]  # fmt: skip

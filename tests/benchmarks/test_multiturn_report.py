@@ -62,3 +62,35 @@ def test_one_server_per_row_has_no_summary():
     assert any(
         line.startswith("| dflash5-ours | 1 | 2.0 |  | 2.00 |") for line in md.splitlines()
     ), md
+
+
+def test_reachable_hits_are_the_measured_ones_without_a_backed_off_block():
+    """The H200 rows' hits (8192-token prefix, 3 turns of 256 + 128 tokens): plain's 4176-token
+    blocks reach 5 blocks a conversation, DSpark 7's 4336 and DFlash 5's 4288 reach 4 (the
+    boundary at 8576 is DFlash's answer's last token, never computed). A scheduler that backed
+    each hit off by one block would reach fewer."""
+    reach = lambda block: mt.reachable_prefix_hits(block, 8192, 3, 256, 128)  # noqa: E731
+    assert reach(4176) == 5 * 4176 == 20880  # measured: plain
+    assert reach(4336) == 4 * 4336 == 17344  # measured: dspark7 ours and upstream
+    assert reach(4288) == 4 * 4288 == 17152  # measured: dflash5 ours and upstream
+    assert mt.reachable_prefix_hits(4096, 8192, 1, 256, 128) == 8192  # the whole prefix
+    assert mt.reachable_prefix_hits(8192, 8192, 1, 256, 128) == 8192
+    assert mt.reachable_prefix_hits(8193, 8192, 1, 256, 128) == 0
+
+
+def test_hits_over_reachable_column():
+    fp = {"prefix_tokens": 8192, "turns": 3, "user_tokens": 256, "output_tokens": 128}
+    run = {
+        "name": "dspark7-ours",
+        "status": "ok",
+        "fingerprint": fp,
+        "cache_config": {"block_size": "4336"},
+        "concurrency": [
+            {"concurrency": 4, "output_tok_s": 1.0, "prefix_cache_hits": 4 * 17344},
+            {"concurrency": 16, "output_tok_s": 1.0, "prefix_cache_hits": 16 * 17344 - 16 * 4336},
+        ],
+    }
+    lines = mt.markdown({"setup": {}, "runs": [run]}).splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| dspark7-ours |")]
+    col = mt.COLUMNS.index("hits / reachable")
+    assert [r[col] for r in rows] == ["1.000", "0.750"], rows
