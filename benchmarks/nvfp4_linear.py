@@ -24,6 +24,15 @@ mis-scaled shard or a wrong nibble order errs by ~1); the fused cases must take 
 expected path. For gate_up_4x / gate_up_3x the script also reports vLLM's own modelopt_fp4 method
 (one max global scale) for comparison, without asserting on it. CPU: outputs must equal
 x @ W_ref^T bit for bit (fp32 and bf16), for both the layer and the on-the-fly variant.
+
+``--tp 2,4`` (either device) checks the tensor-parallel shards instead, one rank at a time in this
+one process (the rank and world size vLLM's layers read are faked; no process group, so no second
+GPU is needed): gate_up as MergedColumnParallelLinear (each shard's rows; ratio 3 splits into one
+GEMM per shard), down as RowParallelLinear (whole 16-column blocks of the input; the ranks' partial
+products summed as vLLM's all-reduce would) and markov_w2 as a vocab-parallel ParallelLMHead, each
+rank's output against x @ W_ref[its part]^T with the tolerance above (CPU: bit for bit), plus the
+column-parallel ranks' largest difference from the TP=1 layer's output slice (reported). fc is
+replicated under TP and not split.
 Writes result.json and result.md to --out.
 """
 
@@ -209,9 +218,12 @@ def time_gpu(fn, x, calls: int = 20, replays: int = 10) -> tuple[float, str]:
         return start.elapsed_time(end) * 1e3 / (calls * replays), "eager"
 
 
-def init_vllm(device: str):
+def init_vllm(device: str) -> bool:
+    """vLLM's distributed state at world size 1, unless it exists; True if this call made it."""
     from vllm.distributed import parallel_state as ps
 
+    if ps.model_parallel_is_initialized():
+        return False
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -223,6 +235,7 @@ def init_vllm(device: str):
         backend="nccl" if device == "cuda" else "gloo",
     )
     ps.initialize_model_parallel(1)
+    return True
 
 
 def environment(device: str) -> dict:
@@ -333,12 +346,167 @@ def run_case_cpu(case, shards, qc, ms, reps, record, failures):
         del layer, fly, dense, reference_w
 
 
+TP_KINDS = {"merged": "column", "row": "row", "lm_head": "vocab"}  # how each kind splits under TP
+
+
+class faked_tp:
+    """Within the block, vLLM's layers and parameters built see ``rank`` of ``size`` as their
+    tensor-parallel rank and world size (where they read them: no process group involved)."""
+
+    MODULES = (
+        "vllm.model_executor.parameter",
+        "vllm.model_executor.layers.linear",
+        "vllm.model_executor.layers.vocab_parallel_embedding",
+    )
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size, self.saved = rank, size, []
+
+    def __enter__(self):
+        import importlib
+
+        for name in self.MODULES:
+            module = importlib.import_module(name)
+            for attr, value in (
+                ("get_tensor_model_parallel_rank", self.rank),
+                ("get_tensor_model_parallel_world_size", self.size),
+            ):
+                self.saved.append((module, attr, getattr(module, attr)))
+                setattr(module, attr, lambda v=value: v)
+        return self
+
+    def __exit__(self, *exc):
+        for module, attr, value in reversed(self.saved):
+            setattr(module, attr, value)
+
+
+def build_tp_layer(case: str, quant_config, dtype):
+    """``case``'s layer as it is under tensor parallelism (markov_w2: vocab-parallel)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    kind, k, outs, _ = CASES[case]
+    if kind != "lm_head":
+        return build_layer(case, quant_config, dtype)
+    return ParallelLMHead(
+        outs[0], k, bias=False, quant_config=quant_config, params_dtype=dtype,
+        prefix=f"bench.{case}",
+    )  # fmt: skip
+
+
+def rank_part(case: str, reference_w: torch.Tensor, rank: int, tp: int, layer) -> tuple:
+    """(rows, cols) of the full dequantized weight that ``rank`` must hold; rows as an index
+    tensor (fused shards: each shard's part), cols as a slice."""
+    kind, k, outs, _ = CASES[case]
+    device = reference_w.device
+    if kind == "row":
+        return torch.arange(sum(outs), device=device), slice(rank * k // tp, (rank + 1) * k // tp)
+    if kind == "lm_head":
+        per_rank = layer.num_embeddings_per_partition
+        start = rank * per_rank
+        rows = torch.arange(start, min(start + per_rank, outs[0]), device=device)
+        return rows, slice(0, k)
+    parts, offset = [], 0
+    for width in outs:
+        per = width // tp
+        parts.append(torch.arange(offset + rank * per, offset + (rank + 1) * per, device=device))
+        offset += width
+    return torch.cat(parts), slice(0, k)
+
+
+def run_case_tp(case, shards, qc, ms, tp, device, record, failures):
+    kind, k, outs, ratio = CASES[case]
+    if kind not in TP_KINDS:
+        print(f"  {case}: {kind} layer, not split under tensor parallelism")
+        return
+    dtype = torch.bfloat16
+    reference_w = torch.cat([q.dequantize(torch.float32) for q in shards])
+    tensors = [nvfp4_tensors(q) for q in shards]
+    full = load(build_layer(case, qc, dtype), case, tensors) if device.type == "cuda" else None
+    xs = {
+        m: torch.randn(m, k, device=device, generator=torch.Generator(device=device).manual_seed(m))
+        for m in ms
+    }
+    xs = {m: x.to(dtype) for m, x in xs.items()}
+    partial_sums = {m: None for m in ms}
+    for rank in range(tp):
+        with faked_tp(rank, tp):
+            layer = load(build_tp_layer(case, qc, dtype), case, tensors)
+        method = layer.quant_method
+        rows, cols = rank_part(case, reference_w, rank, tp, layer)
+        part_w = reference_w[rows][:, cols]
+        n = part_w.shape[0]
+        if device.type != "cuda":
+            path = "dequantized at load"
+        else:
+            path = "one GEMM" if method.shard_kernels is None else "one GEMM per shard"
+        for m in ms:
+            x = xs[m][:, cols].contiguous()
+            y = method.apply(layer, x)[..., :n]
+            if kind == "lm_head" and y.shape[-1] > n:  # padding rows after the vocabulary
+                y = y[..., :n]
+            reference = x.double() @ part_w.double().T
+            if device.type == "cuda":
+                err = rel_max_error(y, reference)
+                err_bf16 = rel_max_error(F.linear(x, part_w.to(dtype)), reference)
+                tol = min(2 * err_bf16 + 2**-9, 2**-6)
+                ok = err <= tol and bool(torch.isfinite(y).all())
+            else:
+                err, err_bf16, tol = rel_max_error(y, reference), None, 0.0
+                exact_w = torch.cat([q.dequantize(dtype) for q in shards])[rows][:, cols]
+                ok = torch.equal(y, x @ exact_w.T)
+            vs_tp1 = None
+            if full is not None and kind != "row":
+                y_full = full.quant_method.apply(full, xs[m])[..., : sum(outs)]
+                vs_tp1 = float((y.float() - y_full[..., rows].float()).abs().max())
+            if kind == "row":
+                partial_sums[m] = y.double() if partial_sums[m] is None else partial_sums[m] + y
+            if not ok:
+                failures.append(
+                    f"{case} tp={tp} rank={rank} M={m}: rel max error {err:.3e} > tolerance {tol:.3e}"
+                    if device.type == "cuda"
+                    else f"{case} tp={tp} rank={rank} M={m}: CPU output differs from x @ W_ref[part].T"
+                )
+            record.append({
+                "case": case, "tp": tp, "rank": rank, "split": TP_KINDS[kind], "m": m,
+                "rows": n, "cols": cols.stop - cols.start, "path": path, "rel_max_err": err,
+                "rel_max_err_bf16": err_bf16, "tolerance": tol, "ok": ok,
+                "max_abs_diff_vs_tp1_slice": vs_tp1,
+            })  # fmt: skip
+            print(
+                f"  {case:11s} tp={tp} rank={rank} M={m:3d} [{TP_KINDS[kind]}, {n}x{cols.stop - cols.start},"
+                f" {path}] err {err:.2e} {'ok' if ok else 'FAIL'}"
+                + ("" if vs_tp1 is None else f" | vs TP=1 slice {vs_tp1:.2e}")
+            )
+        del layer
+    if kind == "row":
+        for m in ms:
+            reference = xs[m].double() @ reference_w.double().T
+            err = rel_max_error(partial_sums[m], reference)
+            print(f"  {case:11s} tp={tp} all-reduced M={m:3d} err {err:.2e}")
+            record.append({"case": case, "tp": tp, "rank": "sum", "split": "row", "m": m,
+                           "rel_max_err": err, "ok": True})  # fmt: skip
+
+
 def markdown(env: dict, rows: list[dict], failures: list[str]) -> str:
     lines = ["# NVFP4 W4A16 linear at the draft shapes", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += ["", f"**{'PASS' if not failures else 'FAIL'}**", ""]
     lines += [f"- FAIL: {f}" for f in failures]
-    if env["device"] == "cuda":
+    if rows and "tp" in rows[0]:
+        lines += [
+            "| case | TP | rank | split | M | rank's part | path | rel max err | bf16 baseline err"
+            " | tolerance | max abs diff vs TP=1 slice |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            fmt = lambda v: "" if v is None else f"{v:.2e}"  # noqa: E731
+            part = f"{r['rows']} x {r['cols']}" if "rows" in r else "sum of the ranks"
+            lines.append(
+                f"| {r['case']} | {r['tp']} | {r['rank']} | {r['split']} | {r['m']} | {part} | "
+                f"{r.get('path', '')} | {fmt(r['rel_max_err'])} | {fmt(r.get('rel_max_err_bf16'))} | "
+                f"{fmt(r.get('tolerance'))} | {fmt(r.get('max_abs_diff_vs_tp1_slice'))} |"
+            )
+    elif env["device"] == "cuda":
         lines += [
             "| case | M | kernel | path | rel max err | bf16 baseline err | vLLM modelopt_fp4 err"
             " | us NVFP4 | us bf16 | speed-up |",
@@ -377,8 +545,15 @@ def main(argv=None) -> int:
     parser.add_argument("--m", default="1,4,16,64", help="token counts (comma-separated)")
     parser.add_argument("--cases", default=",".join(CASES), help="cases (comma-separated)")
     parser.add_argument("--reps", type=int, default=5, help="CPU: timed calls per measurement")
+    parser.add_argument(
+        "--tp",
+        default=None,
+        help="check tensor-parallel shards at these sizes (comma-separated, e.g. 2,4), "
+        "one rank at a time, instead of timing",
+    )
     args = parser.parse_args(argv)
     ms = [int(v) for v in args.m.split(",")]
+    tps = [int(v) for v in args.tp.split(",")] if args.tp else []
     cases = args.cases.split(",")
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
@@ -407,7 +582,10 @@ def main(argv=None) -> int:
             print(f"{case}: quantizing and loading")
             shards = make_shards(case, device)
             with torch.device(device):
-                if args.device == "cuda":
+                if tps:
+                    for tp in tps:
+                        run_case_tp(case, shards, qc, ms, tp, device, rows, failures)
+                elif args.device == "cuda":
                     run_case_gpu(case, shards, qc, ms, rows, failures)
                 else:
                     run_case_cpu(case, shards, qc, ms, args.reps, rows, failures)
