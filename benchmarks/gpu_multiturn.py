@@ -503,7 +503,14 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="--enforce-eager (no CUDA graphs)")
     p.add_argument("--launcher", choices=("auto", "vllm", "passthrough"), default="auto")
-    p.add_argument("--start-timeout", type=float, default=420.0)
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        help="seconds a server may take to start (default 420; 900 with --flashinfer or "
+        "--target-flashinfer: without flashinfer-cubin / flashinfer-jit-cache FlashInfer compiles "
+        "its kernels on first use, and a Lightning-width server was still starting after 400 s)",
+    )
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--budget-s", type=float, default=540.0, help="start no row after this")
     p.add_argument("--min-row-s", type=float, default=150.0, help="time a row needs at least")
@@ -533,6 +540,8 @@ def main(argv=None) -> int:
         "output_tokens": 128,
         "recipe": True,
     }
+    if args.start_timeout is None:
+        args.start_timeout = 900.0 if (args.flashinfer or args.target_flashinfer) else 420.0
     for key, value in (smoke_defaults if args.smoke else full_defaults).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
