@@ -318,23 +318,25 @@ NOTE = (
     "Median repeat by output tok/s, [min-max] over the repeats in one engine. x upstream: the "
     'same row with vLLM alone (VLLM_PLUGINS=""). Prefix hit rate: prefix-cache hit tokens / '
     "queried tokens over the timed turns (the shared prefix was sent once before them). Hits / "
-    "reachable: hit tokens / the most that whole blocks of the row's block size allow (what the "
-    "prefix cache holds before each turn: the shared prefix, then each earlier turn's prompt and "
-    "answer but its last token, which is never fed back); 1.000 = no block backed off. The block "
-    "size differs by row: vLLM sizes it to Mamba's state, whose conv state holds the draft tokens."
+    "reachable: hit tokens / the most that whole blocks of the row's block size allow (Mamba align "
+    "mode reuses whole blocks of earlier prompts; blocks filled while decoding an answer are not "
+    "kept, with or without speculation); 1.000 = no block backed off. The block size differs by "
+    "row: vLLM sizes it to Mamba's state, whose conv state holds the draft tokens."
 )
 
 
 def reachable_prefix_hits(block: int, prefix: int, turns: int, user: int, output: int) -> int:
     """Most prefix-cache hit tokens one conversation of this workload can get with ``block``-token
-    blocks: before turn t the cache holds the shared prefix and every earlier prompt and answer
-    (an answer's last token is sampled, never computed); a hit is whole blocks, below the prompt's
-    last token (vLLM recomputes at least one token)."""
+    blocks in Mamba align mode: whole blocks of the longest prompt prefilled so far (the shared
+    prefix, then each earlier turn's prompt), below the new prompt's last token. Align mode keeps
+    a Mamba state only where a prefill chunk ends on the block grid, so blocks completed while
+    decoding an answer are not reusable: the same for plain and speculative decoding (every H200
+    and tiny-family row measured so far matches this exactly)."""
     cached, hits = prefix, 0
     for t in range(1, turns + 1):
         prompt = prefix + t * user + (t - 1) * output
         hits += min(cached, prompt - 1) // block * block
-        cached = max(cached, prompt + output - 1)
+        cached = max(cached, prompt)
     return hits
 
 

@@ -65,14 +65,22 @@ def test_one_server_per_row_has_no_summary():
 
 
 def test_reachable_hits_are_the_measured_ones_without_a_backed_off_block():
-    """The H200 rows' hits (8192-token prefix, 3 turns of 256 + 128 tokens): plain's 4176-token
-    blocks reach 5 blocks a conversation, DSpark 7's 4336 and DFlash 5's 4288 reach 4 (the
-    boundary at 8576 is DFlash's answer's last token, never computed). A scheduler that backed
-    each hit off by one block would reach fewer."""
+    """Every H200 row's hits equal whole blocks of the earlier prompts. Lightning widths (8192-token
+    prefix, 3 turns of 256 + 128 tokens): plain's 4176-token blocks reach 5 blocks a conversation,
+    DSpark 3's 4240, DFlash 5's 4288 and DSpark 7's 4336 reach 4 (DSpark 3's boundary at 8480 lies
+    in turn 1's answer, which align mode does not keep, as plain decoding's 624 and 864 in the
+    tiny-family rows). A scheduler that backed each hit off by one block would reach fewer."""
     reach = lambda block: mt.reachable_prefix_hits(block, 8192, 3, 256, 128)  # noqa: E731
     assert reach(4176) == 5 * 4176 == 20880  # measured: plain
-    assert reach(4336) == 4 * 4336 == 17344  # measured: dspark7 ours and upstream
+    assert reach(4240) == 4 * 4240 == 16960  # measured: dspark3 ours and upstream
     assert reach(4288) == 4 * 4288 == 17152  # measured: dflash5 ours and upstream
+    assert reach(4336) == 4 * 4336 == 17344  # measured: dspark7 ours and upstream
+    # tiny family, 600-token first prompts, 4 turns of +200 user and 48 output tokens; the
+    # measured hits of turns 2-4 summed (turn 1: no prefix sent before, so prefix=0 there)
+    tiny = lambda block: mt.reachable_prefix_hits(block, 600, 3, 248, 0)  # noqa: E731
+    assert tiny(48) == 576 + 816 + 1056  # plain, DFlash, DSpark (bf16 KV), ours and upstream
+    assert tiny(80) == 560 + 800 + 1040  # plain, fp8 KV
+    assert tiny(96) == 576 + 768 + 1056  # DFlash and DSpark, fp8 KV
     assert mt.reachable_prefix_hits(4096, 8192, 1, 256, 128) == 8192  # the whole prefix
     assert mt.reachable_prefix_hits(8192, 8192, 1, 256, 128) == 8192
     assert mt.reachable_prefix_hits(8193, 8192, 1, 256, 128) == 0
