@@ -354,6 +354,7 @@ class MarkovSetup:
         self.s, self.device, self.dtype, self.mk = s, device, dtype, mk
         g = torch.Generator(device=device).manual_seed(7)
         self.w1 = (0.5 * torch.randn(s.vocab, s.rank, generator=g, device=device)).to(dtype)
+        self._w1_by_phase: dict[int, torch.Tensor] = {}
         self.q = quantized_gaussian(s.vocab, s.rank, device, seed=8, std=0.05)
         self.gs = self.q.weight_scale_2.reshape(1).to(torch.float32).to(device)
         self.w2_f32 = nvfp4.dequantize(
@@ -421,10 +422,16 @@ class MarkovSetup:
             prev = logits.argmax(dim=-1)
             tokens[:, k] = prev
 
+    def w1_by_phase(self, phases: int) -> torch.Tensor:
+        """markov_w1 grouped by the kernel's phases, as the engine keeps it at load for the walk."""
+        if phases not in self._w1_by_phase:
+            self._w1_by_phase[phases] = self.mk.permute_w1_columns(self.w1, phases)
+        return self._w1_by_phase[phases]
+
     def walk_fused(self, U, anchor, tokens, cfg, logits_out=None):
         self.mk.markov_walk_greedy(
-            U, anchor, self.w1, self.q.weight, self.q.weight_scale, self.gs,  # raw, as the engine
-            tokens_out=tokens, logits_out=logits_out, config=cfg, w1_permuted=False,
+            U, anchor, self.w1_by_phase(cfg.phases), self.q.weight, self.q.weight_scale, self.gs,
+            tokens_out=tokens, logits_out=logits_out, config=cfg, w1_permuted=True,
         )  # fmt: skip
 
     # -- verification against the fp32 reference, teacher-forced --

@@ -94,3 +94,56 @@ def test_the_choice_is_logged_once_per_reason(caplog, monkeypatch):
         "nemotron-spec: DSpark Markov walk runs vLLM's loop: top-k drafting",
     ]
     assert dspark.logger.name.startswith("vllm."), "only vLLM's logger tree is printed by vLLM"
+
+
+@pytest.mark.parametrize("rank,phases", [(512, 8), (64, 4), (32, 2)])
+def test_markov_w1_is_kept_grouped_by_the_kernels_phases(rank, phases):
+    """The fused walk's copy of markov_w1: column ``p * r/phases + j`` is column ``phases * j + p``
+    (fp16x2 decodes 8 codes a 32-bit word at the real rank; smaller heads use other variants)."""
+    from vllm_nemotron_spec.kernels import markov as mk
+
+    w1 = torch.randn(10, rank)
+    by_phase = dspark.markov_w1_by_phase(w1)
+    assert mk.default_config(1, rank).phases == mk.default_config(16, rank).phases == phases
+    width = rank // phases
+    for p in range(phases):
+        assert torch.equal(by_phase[:, p * width : (p + 1) * width], w1[:, p::phases])
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_the_fused_walk_reads_markov_w1_by_phase_when_kept(kept, monkeypatch):
+    """sample_sequential hands the kernel the by-phase copy (``w1_permuted=True``) when load_weights
+    kept one, else the raw embedding."""
+    from vllm_nemotron_spec.kernels import markov as mk
+
+    monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
+    monkeypatch.setattr(dspark.Nemotron35DSparkForCausalLM, "fused_walk_declined", lambda *a: None)
+    monkeypatch.setattr(dspark.v2_dspark_anchor_ids, "anchor_token_ids", lambda s, n: "anchors")
+    seen = {}
+
+    def walk(base, anchors, w1, *packed, bias_scale, w1_permuted):
+        seen.update(w1=w1, w1_permuted=w1_permuted, anchors=anchors, base=base.shape)
+        return torch.zeros(base.shape[:2], dtype=torch.int64)
+
+    monkeypatch.setattr(mk, "markov_walk_greedy", walk)
+    raw = torch.randn(20, 512)
+    model = dspark.Nemotron35DSparkForCausalLM.__new__(dspark.Nemotron35DSparkForCausalLM)
+    torch.nn.Module.__init__(model)
+    vars(model).update(
+        _packed_markov_w2=PACKED,
+        _markov_w1_by_phase=dspark.markov_w1_by_phase(raw) if kept else None,
+        model=SimpleNamespace(markov_head=SimpleNamespace(markov_w1=SimpleNamespace(weight=raw))),
+        logits_processor=SimpleNamespace(scale=1.0),
+        compute_draft_logits=lambda h: torch.zeros(h.shape[0], 20),
+        map_draft_to_target=lambda ids: ids,
+    )
+    speculator = SimpleNamespace(
+        num_speculative_steps=3,
+        sample_indices=torch.arange(6),
+        draft_tokens=torch.full((2, 3), -1),
+    )
+    assert model.sample_sequential(speculator, 2, torch.zeros(6, 8)) is True
+    assert seen["w1_permuted"] is kept
+    assert seen["w1"] is (model._markov_w1_by_phase if kept else raw)
+    assert seen["base"] == (2, 3, 20) and seen["anchors"] == "anchors"
+    assert torch.equal(speculator.draft_tokens, torch.zeros(2, 3, dtype=torch.int64))

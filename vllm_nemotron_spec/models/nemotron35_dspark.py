@@ -55,11 +55,14 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         check_built_model_matches_spec(self, spec, vllm_config, source=ARCHITECTURE)
         check_dspark_modules(self, spec)
         self._packed_markov_w2: dict[str, torch.Tensor] = {}
+        self._markov_w1_by_phase: torch.Tensor | None = None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """vLLM's loading, keeping a copy of ``markov_w2``'s packed NVFP4 tensors for the fused walk
-        (the linear method re-lays them out for its GEMM kernel after loading); the tensor headers
-        are checked first when start-up could not."""
+        """vLLM's loading, keeping for the fused walk a copy of ``markov_w2``'s packed NVFP4 tensors
+        (the linear method re-lays them out for its GEMM kernel after loading) and of
+        ``markov_w1`` with its columns grouped by the kernel's phases (contiguous embedding loads;
+        the raw layout made the walk 1.6x slower at batch 16 inside the engine than in isolation);
+        the tensor headers are checked first when start-up could not."""
 
         device = self.model.markov_head.markov_w1.weight.device
         keep = (
@@ -74,9 +77,12 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
                     self._packed_markov_w2[name[len(_MARKOV_W2) :]] = tensor.to(device, copy=True)
                 yield name, tensor
 
-        return super().load_weights(
+        loaded = super().load_weights(
             keep_markov_w2(checked_weights(self.draft_spec, self.draft_model_config, weights))
         )
+        if keep:
+            self._markov_w1_by_phase = markov_w1_by_phase(self.model.markov_head.markov_w1.weight)
+        return loaded
 
     def sample_sequential(self, speculator, num_reqs: int, head_hidden: torch.Tensor) -> bool:
         """vLLM 0.33 ``DSparkSpeculator`` hook: run the greedy Markov walk fused; False (nothing
@@ -88,7 +94,8 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         (``benchmarks/gpu_multiturn.py``, DSpark 3), the fused walk made the whole step slower
         than vLLM's loop (TPOT 1.84 vs 1.65 ms at concurrency 1, 8.5 vs 6.2 ms at 16;
         benchmarks/RESULTS.md). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1`` opts in to the fused walk
-        (``kernels/markov.py``; ``markov_w2`` kept packed at load, 36 MiB at the real shape) for
+        (``kernels/markov.py``; ``markov_w2`` kept packed at load, 36 MiB at the real shape, and
+        ``markov_w1`` by phase, 128 MiB) for
         greedy drafting on CUDA; every other case (sampling, top-k drafting, confidence heads,
         acceptance estimation, CPU) runs vLLM's loop either way."""
         declined = self.fused_walk_declined(speculator, head_hidden)
@@ -102,14 +109,16 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         hidden = head_hidden[speculator.sample_indices[: num_reqs * n]]
         base = self.compute_draft_logits(hidden).view(num_reqs, n, -1)
         anchors = v2_dspark_anchor_ids.anchor_token_ids(speculator, num_reqs)
+        by_phase = self._markov_w1_by_phase
         ids = markov_walk_greedy(
             base,
             anchors,
-            self.model.markov_head.markov_w1.weight,
+            self.model.markov_head.markov_w1.weight if by_phase is None else by_phase,
             packed["weight"],
             packed["weight_scale"],
             packed["weight_scale_2"],
             bias_scale=self.logits_processor.scale,
+            w1_permuted=by_phase is not None,
         )
         speculator.draft_tokens[:num_reqs, :n].copy_(self.map_draft_to_target(ids))
         return True
@@ -134,6 +143,15 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         if getattr(speculator, "acceptance_estimator", None) is not None:
             return "acceptance estimator"
         return None
+
+
+def markov_w1_by_phase(w1: torch.Tensor) -> torch.Tensor:
+    """A copy of ``markov_w1`` [V, r] with its columns grouped by the fused kernel's phases (every
+    default launch config of one rank uses the same variant, so one copy serves every batch size;
+    134 MB at the real shape, kept only when the fused walk is on)."""
+    from vllm_nemotron_spec.kernels.markov import default_config, permute_w1_columns
+
+    return permute_w1_columns(w1.detach(), default_config(1, w1.shape[1]).phases)
 
 
 _WALK_CHOICES_LOGGED: set[str | None] = set()
