@@ -329,6 +329,49 @@ def test_kernel_method_splits_shards_when_folding_is_inexact(qc, kernel_method):
     assert torch.equal(layer(x)[0], expected)
 
 
+class LayerReadingKernel(FakeKernel):
+    """A kernel that, like vLLM 0.33's Humming NVFP4 kernel (its choice on Hopper when installed),
+    reads the layer's partition sizes, dtype, bias flag and parameters, not only its sizes."""
+
+    def process_weights_after_loading(self, layer):
+        k = layer.input_size_per_partition
+        self.read = {
+            "output_partition_sizes": list(layer.output_partition_sizes),
+            "input_size_per_partition": k,
+            "params_dtype": layer.params_dtype,
+            "has_bias": layer.has_bias,
+            "parameters": sorted(name for name, _ in layer.named_parameters(recurse=False)),
+        }
+        assert sum(self.read["output_partition_sizes"]) == layer.weight.shape[0]
+        assert layer.weight.shape[1] * 2 == k
+        super().process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("ratio,kernels", [(4.0, 1), (3.0, 2)])  # folded / one GEMM per shard
+def test_kernels_that_read_the_layer_get_a_linear_layers_attributes(
+    qc, monkeypatch, ratio, kernels
+):
+    FakeKernel.made = []
+    monkeypatch.setattr(nvcfg, "vllm_w4a16_kernel", LayerReadingKernel)
+    monkeypatch.setattr(nvcfg, "linear_method_class", lambda _: nvcfg.NvFp4KernelLinearMethod)
+    layer = _gate_up(qc, 64, 48, dtype=torch.bfloat16)
+    up = _weight(48, 64, seed=2)
+    gate = _weight(48, 64, seed=3, global_scale=float(up.weight_scale_2) / ratio)
+    load_module(layer, _tensors(gate), shard_id=0)
+    load_module(layer, _tensors(up), shard_id=1)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert len(FakeKernel.made) == kernels
+    sizes = [[48, 48]] if kernels == 1 else [[48], [48]]
+    assert [k.read["output_partition_sizes"] for k in FakeKernel.made] == sizes
+    for k in FakeKernel.made:
+        assert k.read["input_size_per_partition"] == 64
+        assert k.read["params_dtype"] == torch.bfloat16 and k.read["has_bias"] is False
+        assert k.read["parameters"] == ["weight", "weight_global_scale", "weight_scale"]
+    x = _x(4, 64)
+    expected = torch.cat([x @ gate.dequantize().T, x @ up.dequantize().T], dim=-1)
+    assert torch.equal(layer(x)[0], expected)
+
+
 def test_kernel_method_keeps_markov_w2_for_the_gathered_projection(qc, kernel_method):
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 

@@ -381,17 +381,21 @@ def vllm_w4a16_kernel():
 
 
 class _Shard(torch.nn.Module):
-    """One shard of a fused layer, shaped like the layer vLLM's NVFP4 kernels expect."""
+    """One shard of a fused layer, shaped like the layer vLLM's NVFP4 kernels expect: the
+    attributes of a vLLM linear layer that their weight preparation reads (Marlin's the sizes;
+    Humming's, vLLM 0.33's choice on Hopper when installed, also the partition sizes and bias)."""
 
     def __init__(self, weight, weight_scale, global_scale, params_dtype) -> None:
         super().__init__()
         self.weight = Parameter(weight, requires_grad=False)
         self.weight_scale = Parameter(weight_scale, requires_grad=False)
         self.weight_global_scale = Parameter(global_scale, requires_grad=False)
-        self.output_size_per_partition = int(weight.shape[0])
-        self.input_size_per_partition = int(weight.shape[1]) * 2
+        self.output_size_per_partition = self.output_size = int(weight.shape[0])
+        self.input_size_per_partition = self.input_size = int(weight.shape[1]) * 2
+        self.output_partition_sizes = [self.output_size_per_partition]
         self.logical_widths = [self.output_size_per_partition]
         self.params_dtype = params_dtype
+        self.has_bias = False
         self.bias = None
 
 
