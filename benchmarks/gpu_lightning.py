@@ -34,6 +34,8 @@ the ``--budget-s`` allows:
     dflash5-upstream
     dspark3-ours      DSpark, 3 drafts (the draft's recommended gamma)
     dspark3-upstream
+    dspark7-ours-fused, dspark3-ours-fused   the plugin's opt-in fused Markov walk
+                      (VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1); only when named in --runs
 
 Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simultaneous prompts of
 ``--input-len`` random tokens (default 1024), ``--output-len`` tokens each (default 256, greedy,
@@ -97,8 +99,11 @@ class RunSpec:
     method: str | None  # None: plain decoding
     gamma: int
     plugin: bool
+    env: tuple[tuple[str, str], ...] = ()  # set in the run's process
+    default: bool = True  # run when --runs is not given
 
 
+FUSED = (("VLLM_NEMOTRON_SPEC_FUSED_MARKOV", "1"),)
 RUNS = [
     RunSpec("plain", None, 0, False),
     RunSpec("dspark7-ours", "dspark", 7, True),
@@ -107,6 +112,9 @@ RUNS = [
     RunSpec("dflash5-upstream", "dflash", 5, False),
     RunSpec("dspark3-ours", "dspark", 3, True),
     RunSpec("dspark3-upstream", "dspark", 3, False),
+    # the plugin's opt-in fused Markov walk, next to the default (vLLM's loop)
+    RunSpec("dspark7-ours-fused", "dspark", 7, True, FUSED, default=False),
+    RunSpec("dspark3-ours-fused", "dspark", 3, True, FUSED, default=False),
 ]
 
 
@@ -659,6 +667,7 @@ def run_env(spec: RunSpec) -> dict:
     else:
         env["VLLM_PLUGINS"] = ""  # vllm/plugins: a name list [""] matches no plugin
     env["PYTHONUNBUFFERED"] = "1"
+    env.update(spec.env)
     return env
 
 
@@ -740,7 +749,7 @@ def parent_main(args) -> int:
     target_cfg = json.loads((Path(models["target"]) / "config.json").read_text())
     if args.build_only:
         return inspect_models(models, out)
-    selected = [r for r in RUNS if not args.runs or r.name in args.runs.split(",")]
+    selected = [r for r in RUNS if (r.name in args.runs.split(",") if args.runs else r.default)]
     unknown = set(args.runs.split(",")) - {r.name for r in RUNS} if args.runs else set()
     if unknown:
         raise SystemExit(f"unknown runs {sorted(unknown)}; choose from {[r.name for r in RUNS]}")

@@ -79,3 +79,15 @@ def test_median_repeat_reports_the_middle_run_and_the_spread():
     assert got["output_tok_s"] == 600.0 and got["tpot_ms"] == 1.5
     assert got["repeats"] == 3 and got["output_tok_s_all"] == [674.0, 497.0, 600.0]
     assert gl.median_repeat(rows[:2])["output_tok_s"] == 497.0  # even count: the lower middle
+
+
+def test_fused_walk_runs_set_the_switch_and_run_only_when_named(monkeypatch):
+    monkeypatch.delenv("VLLM_NEMOTRON_SPEC_FUSED_MARKOV", raising=False)
+    runs = {r.name: r for r in gl.RUNS}
+    fused, default = runs["dspark7-ours-fused"], runs["dspark7-ours"]
+    assert (fused.method, fused.gamma, fused.plugin) == (default.method, default.gamma, True)
+    assert gl.run_env(fused)["VLLM_NEMOTRON_SPEC_FUSED_MARKOV"] == "1"
+    assert "VLLM_NEMOTRON_SPEC_FUSED_MARKOV" not in gl.run_env(default)
+    assert "VLLM_PLUGINS" not in gl.run_env(fused)
+    assert not fused.default and not runs["dspark3-ours-fused"].default
+    assert all(r.default for r in gl.RUNS if not r.name.endswith("-fused"))
