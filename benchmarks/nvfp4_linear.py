@@ -415,9 +415,6 @@ def rank_part(case: str, reference_w: torch.Tensor, rank: int, tp: int, layer) -
 
 def run_case_tp(case, shards, qc, ms, tp, device, record, failures):
     kind, k, outs, ratio = CASES[case]
-    if kind not in TP_KINDS:
-        print(f"  {case}: {kind} layer, not split under tensor parallelism")
-        return
     dtype = torch.bfloat16
     reference_w = torch.cat([q.dequantize(torch.float32) for q in shards])
     tensors = [nvfp4_tensors(q) for q in shards]
@@ -579,6 +576,9 @@ def main(argv=None) -> int:
         qc = nvcfg.NemotronW4A16NvFp4Config.from_config(QUANT_CONFIG)
         device = torch.device(args.device)
         for case in cases:
+            if tps and CASES[case][0] not in TP_KINDS:
+                print(f"{case}: {CASES[case][0]} layer, not split under tensor parallelism")
+                continue
             print(f"{case}: quantizing and loading")
             shards = make_shards(case, device)
             with torch.device(device):
