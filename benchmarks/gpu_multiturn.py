@@ -356,6 +356,11 @@ def instance_name(row: str, instance: int, instances: int) -> str:
     return row if instances == 1 else f"{row}#{instance + 1}"
 
 
+def _upstream_row(row: str) -> str | None:
+    """The vLLM-alone row a plugin row is compared with (None for the others)."""
+    return row.replace("-ours", "-upstream") if row.endswith("-ours") else None
+
+
 def _tok_s(run: dict | None, conc: int) -> float | None:
     for c in (run or {}).get("concurrency") or []:
         if c["concurrency"] == conc:
@@ -386,11 +391,7 @@ def across_instances(runs: list[dict]) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for (row, conc), (med, vals) in medians.items():
-        up = (
-            medians.get((row.replace("-ours", "-upstream"), conc))
-            if row.endswith("-ours")
-            else None
-        )
+        up = medians.get((_upstream_row(row), conc))
         ratio = f"{med / up[0]:.2f}" if up else ""
         lines.append(
             f"| {row} | {conc} | {med:.1f} [{min(vals):.0f}-{max(vals):.0f}] | {ratio} | {len(vals)} |"
@@ -415,11 +416,8 @@ def markdown(result: dict) -> str:
         for c in r["concurrency"]:
             t = c.get("output_tok_s")
             base = tps("plain" + suffix, c["concurrency"])
-            up = (
-                tps(row.replace("-ours", "-upstream") + suffix, c["concurrency"])
-                if row.endswith("-ours")
-                else None
-            )
+            upstream = _upstream_row(row)
+            up = tps(upstream + suffix, c["concurrency"]) if upstream else None
             acc = c.get("mean_acceptance_length")
             exp = r.get("expected_acceptance_length")
             hit = c.get("prefix_hit_rate")
