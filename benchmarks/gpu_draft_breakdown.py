@@ -24,8 +24,8 @@ the lm_head's 131072 x 2688 BF16; the Markov walk reads ``markov_w2`` once per d
 activations and KV-cache reads neglected) / ``--bandwidth-gbs`` (default 4300, the H200's measured
 copy bandwidth; the run also measures a device-to-device copy and reports it). ``--graph-reference``
 adds, per run, gpu_lightning's CUDA-graph draft time per step (DraftStepTimer) from its own child.
-``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1`` in the environment times the plugin's fused Markov walk
-(kernels/markov.py) in the "ours" DSpark runs instead of vLLM's loop (the plugin's default).
+The "ours" DSpark runs time the plugin's fused Markov walk (kernels/markov.py, its default on one
+GPU); ``--runs dspark7-ours-loop`` times vLLM's loop in the plugin's engine.
 ``--smoke`` (CPU): no CUDA kernels, so the top-level CPU ops are attributed instead; the upstream
 runs fail there (no CPU NVFP4 kernel) and are recorded. Writes DIR/breakdown.json,
 DIR/breakdown.md, DIR/logs/<run>.log, DIR/runs/<run>.json.
@@ -82,7 +82,7 @@ METHOD_PARTS = (
     ("", "markov_embed", "markov_walk"),
     ("", "markov_bias", "markov_walk"),
     ("", "apply_markov_bias_gathered", "markov_walk"),
-    ("", "sample_sequential", "markov_walk"),  # the plugin's fused walk (opt-in)
+    ("", "sample_sequential", "markov_walk"),  # the plugin's fused walk
 )
 CLASS_PARTS = (
     # (module, class or "", attribute, part): the drafter's entry points (gl.TIMED_DRAFT_CALLS)
@@ -771,7 +771,9 @@ def parent_main(args) -> int:
         elif rc != 0 and got.get("status") != "error":
             got["status"] = f"error: exit {rc}"
             got.setdefault("error", f"child exited with {rc}; see {log}")
-        got["log_tail"] = log.read_text(errors="replace")[-3000:]
+        text = log.read_text(errors="replace")
+        got["log_tail"] = text[-3000:]
+        got["kernel_log_lines"] = gl.kernel_choice_lines(text)
         got["run_s"] = round(took, 1)
         entry.update(got)
         if args.graph_reference and not args.smoke and str(got.get("status")).startswith("ok"):

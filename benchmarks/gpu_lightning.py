@@ -34,8 +34,8 @@ the ``--budget-s`` allows:
     dflash5-upstream
     dspark3-ours      DSpark, 3 drafts (the draft's recommended gamma)
     dspark3-upstream
-    dspark7-ours-fused, dspark3-ours-fused   the plugin's opt-in fused Markov walk
-                      (VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1); only when named in --runs
+    dspark7-ours-loop, dspark3-ours-loop   the plugin with vLLM's Markov loop instead of its
+                      fused walk (VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0); only when named in --runs
 
 Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simultaneous prompts of
 ``--input-len`` random tokens (default 1024), ``--output-len`` tokens each (default 256, greedy,
@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -103,7 +104,7 @@ class RunSpec:
     default: bool = True  # run when --runs is not given
 
 
-FUSED = (("VLLM_NEMOTRON_SPEC_FUSED_MARKOV", "1"),)
+LOOP = (("VLLM_NEMOTRON_SPEC_FUSED_MARKOV", "0"),)
 RUNS = [
     RunSpec("plain", None, 0, False),
     RunSpec("dspark7-ours", "dspark", 7, True),
@@ -112,9 +113,9 @@ RUNS = [
     RunSpec("dflash5-upstream", "dflash", 5, False),
     RunSpec("dspark3-ours", "dspark", 3, True),
     RunSpec("dspark3-upstream", "dspark", 3, False),
-    # the plugin's opt-in fused Markov walk, next to the default (vLLM's loop)
-    RunSpec("dspark7-ours-fused", "dspark", 7, True, FUSED, default=False),
-    RunSpec("dspark3-ours-fused", "dspark", 3, True, FUSED, default=False),
+    # the plugin with vLLM's Markov loop, next to its default (the fused walk)
+    RunSpec("dspark7-ours-loop", "dspark", 7, True, LOOP, default=False),
+    RunSpec("dspark3-ours-loop", "dspark", 3, True, LOOP, default=False),
 ]
 
 
@@ -660,6 +661,13 @@ def engine_kwargs(args, target: str, spec: RunSpec) -> dict:
     return kw
 
 
+def kernel_choice_lines(log: str, limit: int = 10) -> list[str]:
+    """The log lines where vLLM names the GEMM kernels it picked (FP4 Marlin, Humming, CuTe-DSL):
+    the same run reads differently on one machine with and without `humming-kernels` installed."""
+    picks = [ln[-300:] for ln in log.splitlines() if re.search(r"for (NVFP4|FP8|MXFP4) GEMM|[Hh]umming", ln)]
+    return list(dict.fromkeys(picks))[:limit]
+
+
 def run_env(spec: RunSpec) -> dict:
     env = dict(os.environ)
     if spec.plugin:
@@ -859,6 +867,7 @@ def parent_main(args) -> int:
         child["log_tail"] = text[-3000:]
         child["nemotron_spec_log_lines"] = [ln[-400:] for ln in text.splitlines() if "nemotron-spec" in ln
                                             or "nemotron_spec" in ln][:20]  # fmt: skip
+        child["kernel_log_lines"] = kernel_choice_lines(text)
         child["run_s"] = round(took, 1)
         results["runs"].append({**entry, **child})
         save()

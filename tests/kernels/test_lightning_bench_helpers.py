@@ -81,13 +81,13 @@ def test_median_repeat_reports_the_middle_run_and_the_spread():
     assert gl.median_repeat(rows[:2])["output_tok_s"] == 497.0  # even count: the lower middle
 
 
-def test_fused_walk_runs_set_the_switch_and_run_only_when_named(monkeypatch):
+def test_loop_runs_switch_the_fused_walk_off_and_run_only_when_named(monkeypatch):
     monkeypatch.delenv("VLLM_NEMOTRON_SPEC_FUSED_MARKOV", raising=False)
     runs = {r.name: r for r in gl.RUNS}
-    fused, default = runs["dspark7-ours-fused"], runs["dspark7-ours"]
-    assert (fused.method, fused.gamma, fused.plugin) == (default.method, default.gamma, True)
-    assert gl.run_env(fused)["VLLM_NEMOTRON_SPEC_FUSED_MARKOV"] == "1"
+    loop, default = runs["dspark7-ours-loop"], runs["dspark7-ours"]
+    assert (loop.method, loop.gamma, loop.plugin) == (default.method, default.gamma, True)
+    assert gl.run_env(loop)["VLLM_NEMOTRON_SPEC_FUSED_MARKOV"] == "0"
     assert "VLLM_NEMOTRON_SPEC_FUSED_MARKOV" not in gl.run_env(default)
-    assert "VLLM_PLUGINS" not in gl.run_env(fused)
-    assert not fused.default and not runs["dspark3-ours-fused"].default
-    assert all(r.default for r in gl.RUNS if not r.name.endswith("-fused"))
+    assert "VLLM_PLUGINS" not in gl.run_env(loop)
+    assert not loop.default and not runs["dspark3-ours-loop"].default
+    assert all(r.default for r in gl.RUNS if not r.name.endswith("-loop"))

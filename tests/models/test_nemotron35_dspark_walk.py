@@ -25,8 +25,8 @@ def anchor_patch_installed(monkeypatch):
     monkeypatch.setattr(dspark.v2_dspark_anchor_ids, "installed", lambda: True)
 
 
-def _declined(speculator, hidden, packed=PACKED):
-    model = SimpleNamespace(_packed_markov_w2=packed)
+def _declined(speculator, hidden, packed=PACKED, tp=1):
+    model = SimpleNamespace(_packed_markov_w2=packed, tensor_parallel_size=tp)
     return dspark.Nemotron35DSparkForCausalLM.fused_walk_declined(model, speculator, hidden)
 
 
@@ -46,6 +46,8 @@ class _CudaLike:
 
 
 def test_fused_walk_runs_for_greedy_drafts_on_cuda(monkeypatch):
+    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)  # the default
+    assert _declined(_greedy_speculator(), _CudaLike()) is None
     monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
     assert _declined(_greedy_speculator(), _CudaLike()) is None
 
@@ -71,9 +73,14 @@ def test_cpu_env_switch_and_missing_packed_weights_are_named(monkeypatch):
         _greedy_speculator(), _CudaLike(), packed={"weight": 1, "weight_scale": 1}
     )
     monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "0")
-    assert dspark.FUSED_MARKOV_ENV in _declined(_greedy_speculator(), _CudaLike())
-    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV)  # the default: vLLM's loop
-    assert "not 1" in _declined(_greedy_speculator(), _CudaLike())
+    assert _declined(_greedy_speculator(), _CudaLike()) == f"{dspark.FUSED_MARKOV_ENV}=0"
+
+
+def test_tensor_parallel_engines_run_vllms_loop_and_keep_no_copies(monkeypatch):
+    monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    assert "tensor_parallel_size 2" in _declined(_greedy_speculator(), _CudaLike(), tp=2)
+    assert dspark.fused_walk_switch_reason(2) is not None  # read by load_weights: nothing kept
+    assert dspark.fused_walk_switch_reason(1) is None
 
 
 def test_without_the_anchor_patch_vllms_loop_runs(monkeypatch):

@@ -6,7 +6,8 @@ doc, "DSpark step"), so this class reuses it. It is chosen only for drafts that 
 structural check (``target_hook`` routes them here; with method ``dspark`` vLLM would otherwise
 rewrite an unknown architecture to DeepSeek-V4), checks at start-up that what vLLM built matches
 the checkpoint, and gives ``markov_w2`` the plugin's NVFP4 W4A16 method. The query layout and the
-Markov walk belong to the proposer, except for the opt-in fused walk (:meth:`sample_sequential`).
+Markov walk belong to the proposer, except for the fused greedy walk on CUDA
+(:meth:`sample_sequential`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         self.draft_model_config = vllm_config.speculative_config.draft_model_config
         check_built_model_matches_spec(self, spec, vllm_config, source=ARCHITECTURE)
         check_dspark_modules(self, spec)
+        self.tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
         self._packed_markov_w2: dict[str, torch.Tensor] = {}
         self._markov_w1_by_phase: torch.Tensor | None = None
 
@@ -67,7 +69,7 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         device = self.model.markov_head.markov_w1.weight.device
         keep = (
             device.type == "cuda"
-            and os.environ.get(FUSED_MARKOV_ENV, "0") == "1"
+            and fused_walk_switch_reason(self.tensor_parallel_size) is None
             and self.draft_spec.is_quantized("markov_head.markov_w2")
         )
 
@@ -89,15 +91,14 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         done) where vLLM's own loop must run. Which of the two runs is logged once per reason.
 
         The query layout (``sample_from_anchor``) and the walk otherwise belong to the proposer
-        (``proposers/dspark.py`` on vLLM's V1 runner, vLLM's ``DSparkSpeculator`` on V2). By
-        default this hook declines: served at Lightning widths on the H200
-        (``benchmarks/gpu_multiturn.py``, DSpark 3), the fused walk made the whole step slower
-        than vLLM's loop (TPOT 1.84 vs 1.65 ms at concurrency 1, 8.5 vs 6.2 ms at 16;
-        benchmarks/RESULTS.md). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1`` opts in to the fused walk
-        (``kernels/markov.py``; ``markov_w2`` kept packed at load, 36 MiB at the real shape, and
-        ``markov_w1`` by phase, 128 MiB) for
-        greedy drafting on CUDA; every other case (sampling, top-k drafting, confidence heads,
-        acceptance estimation, CPU) runs vLLM's loop either way."""
+        (``proposers/dspark.py`` on vLLM's V1 runner, vLLM's ``DSparkSpeculator`` on V2). The
+        fused walk (``kernels/markov.py``; ``markov_w2`` kept packed at load, 36 MiB at the real
+        shape, and ``markov_w1`` by phase, 128 MiB) runs for greedy drafting on one CUDA GPU:
+        inside the CUDA-graph engine at Lightning widths on the H200 it cut the draft step from
+        1.02 to 0.92 ms at concurrency 1 and 1.38 to 1.16 ms at 16 (DSpark 7,
+        benchmarks/RESULTS.md). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0`` keeps vLLM's loop; every
+        other case (sampling, top-k drafting, confidence heads, acceptance estimation, tensor
+        parallelism, CPU) runs vLLM's loop either way."""
         declined = self.fused_walk_declined(speculator, head_hidden)
         _log_walk_choice_once(declined)
         if declined:
@@ -125,8 +126,9 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
 
     def fused_walk_declined(self, speculator, head_hidden: torch.Tensor) -> str | None:
         """Why the fused walk cannot run this step (None: it can)."""
-        if os.environ.get(FUSED_MARKOV_ENV, "0") != "1":
-            return f"{FUSED_MARKOV_ENV} is not 1 (the default: measured slower inside the engine)"
+        switched_off = fused_walk_switch_reason(self.tensor_parallel_size)
+        if switched_off is not None:
+            return switched_off
         if not head_hidden.is_cuda:
             return f"hidden states on {head_hidden.device.type}, the fused walk is CUDA only"
         missing = {"weight", "weight_scale", "weight_scale_2"} - set(self._packed_markov_w2)
@@ -143,6 +145,18 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         if getattr(speculator, "acceptance_estimator", None) is not None:
             return "acceptance estimator"
         return None
+
+
+def fused_walk_switch_reason(tensor_parallel_size: int) -> str | None:
+    """Why the fused walk is off for the whole engine (None: on, the default), decided before
+    loading so that its weight copies are kept only when it can run."""
+    if os.environ.get(FUSED_MARKOV_ENV, "1") == "0":
+        return f"{FUSED_MARKOV_ENV}=0"
+    if tensor_parallel_size > 1:
+        # Each rank would walk the whole vocabulary with its own copy of markov_w2: not yet run on
+        # GPUs under tensor parallelism, so vLLM's (vocab-parallel) loop runs there.
+        return f"tensor_parallel_size {tensor_parallel_size} (the fused walk runs on one GPU)"
+    return None
 
 
 def markov_w1_by_phase(w1: torch.Tensor) -> torch.Tensor:
