@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,8 +53,10 @@ def ensure_ct_dflash(bf16_draft: Path, seed: int = 0) -> Path:
         return build_ct_draft(bf16_draft, out)
 
 
-def drafts_to_check(seed: int = 0) -> dict[str, tuple[str, Path, int]]:
-    """name -> (method, draft, num_speculative_tokens), from the cache of trained drafts."""
+def drafts_to_check(seed: int = 0) -> dict[str, tuple[str, Path | Callable[[], Path], int]]:
+    """name -> (method, draft, num_speculative_tokens), from the cache of trained drafts; a draft
+    built on first use (the compressed-tensors copy, ~1 minute) is a function, called only when
+    that run is selected."""
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
     trained = ensure_trained_drafts(seed)
@@ -62,7 +65,7 @@ def drafts_to_check(seed: int = 0) -> dict[str, tuple[str, Path, int]]:
         "dflash-shifted-layout": ("dflash", trained.dflash_shifted, 4),
         "dflash-compressed-tensors": (
             "dflash",
-            ensure_ct_dflash(trained.dflash_unquantized, seed),
+            lambda: ensure_ct_dflash(trained.dflash_unquantized, seed),
             4,
         ),
         "dspark-trained": ("dspark", trained.dspark, 3),
@@ -93,6 +96,10 @@ def main() -> int:
     from vllm_nemotron_spec.tiny.corpus import sample_prompts
 
     family = ensure_tiny_family(seed=0)
+    drafts = drafts_to_check()
+    only = set(args.only.split(",")) if args.only else None
+    if only and only - set(drafts):
+        parser.error(f"--only: unknown {sorted(only - set(drafts))}; choose from {list(drafts)}")
     prompts = (sample_prompts() * args.num_prompts)[: args.num_prompts]
     # one long prompt (past several KV blocks)
     prompts[-1] = " ".join(sample_prompts()) * 2
@@ -110,10 +117,10 @@ def main() -> int:
     plain = generate(llm, prompts, args.max_tokens, "plain")
     release(llm)
     out["runs"].append({"method": "plain", "tokens_per_s": plain.tokens_per_s})
-    only = set(args.only.split(",")) if args.only else None
-    for name, (method, draft, k) in drafts_to_check().items():
+    for name, (method, draft, k) in drafts.items():
         if only and name not in only:
             continue
+        draft = draft() if callable(draft) else draft
         spec = {"method": method, "model": str(draft), "num_speculative_tokens": k}
         t0 = time.time()
         try:
