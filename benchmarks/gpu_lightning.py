@@ -664,7 +664,11 @@ def engine_kwargs(args, target: str, spec: RunSpec) -> dict:
 def kernel_choice_lines(log: str, limit: int = 10) -> list[str]:
     """The log lines where vLLM names the GEMM kernels it picked (FP4 Marlin, Humming, CuTe-DSL):
     the same run reads differently on one machine with and without `humming-kernels` installed."""
-    picks = [ln[-300:] for ln in log.splitlines() if re.search(r"for (NVFP4|FP8|MXFP4) GEMM|[Hh]umming", ln)]
+    picks = [
+        ln[-300:]
+        for ln in log.splitlines()
+        if re.search(r"for (NVFP4|FP8|MXFP4) GEMM|[Hh]umming", ln)
+    ]
     return list(dict.fromkeys(picks))[:limit]
 
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 _ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("nvfp4_linear", _ROOT / "benchmarks" / "nvfp4_linear.py")
+_spec = importlib.util.spec_from_file_location(
+    "nvfp4_linear", _ROOT / "benchmarks" / "nvfp4_linear.py"
+)
 nl = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("nvfp4_linear", nl)
 _spec.loader.exec_module(nl)
@@ -56,7 +58,9 @@ def test_hummings_bf16_reduction_needs_its_own_tolerance():
 
 @pytest.mark.parametrize("kernel", sorted(set(STORED.values())))
 def test_a_mis_scaled_shard_fails_under_either_tolerance(kernel):
-    layout_errors = [r[nl.VLLM_ERR] for r in _measured("nvfp4_linear_humming.json") if r.get(nl.VLLM_ERR)]
+    layout_errors = [
+        r[nl.VLLM_ERR] for r in _measured("nvfp4_linear_humming.json") if r.get(nl.VLLM_ERR)
+    ]
     assert layout_errors and min(layout_errors) > 0.5
     for r in _measured("nvfp4_linear_humming.json"):
         assert nl.gpu_tolerance(kernel, r["rel_max_err_bf16"]) < min(layout_errors) / 20

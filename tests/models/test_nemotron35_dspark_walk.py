@@ -25,8 +25,10 @@ def anchor_patch_installed(monkeypatch):
     monkeypatch.setattr(dspark.v2_dspark_anchor_ids, "installed", lambda: True)
 
 
-def _declined(speculator, hidden, packed=PACKED, tp=1):
-    model = SimpleNamespace(_packed_markov_w2=packed, tensor_parallel_size=tp)
+def _declined(speculator, hidden, packed=PACKED, tp=1, capability=(9, 0)):
+    """What the hook decides for a model loaded on a GPU of ``capability`` under TP ``tp``."""
+    off = dspark.fused_walk_switch_reason(tp, capability)
+    model = SimpleNamespace(_packed_markov_w2=packed, tensor_parallel_size=tp, fused_walk_off=off)
     return dspark.Nemotron35DSparkForCausalLM.fused_walk_declined(model, speculator, hidden)
 
 
@@ -76,11 +78,60 @@ def test_cpu_env_switch_and_missing_packed_weights_are_named(monkeypatch):
     assert _declined(_greedy_speculator(), _CudaLike()) == f"{dspark.FUSED_MARKOV_ENV}=0"
 
 
-def test_tensor_parallel_engines_run_vllms_loop_and_keep_no_copies(monkeypatch):
+def test_tensor_parallel_engines_run_vllms_loop(monkeypatch):
+    for setting in (None, "1"):
+        if setting is None:
+            monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+        else:
+            monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, setting)
+        assert "tensor_parallel_size 2" in _declined(_greedy_speculator(), _CudaLike(), tp=2)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (10, 0), (12, 0)])
+def test_gpus_it_was_not_measured_on_run_vllms_loop_unless_asked(capability, monkeypatch):
+    """Faster than vLLM's loop was measured on Hopper (H200) only."""
     monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
-    assert "tensor_parallel_size 2" in _declined(_greedy_speculator(), _CudaLike(), tp=2)
-    assert dspark.fused_walk_switch_reason(2) is not None  # read by load_weights: nothing kept
-    assert dspark.fused_walk_switch_reason(1) is None
+    reason = _declined(_greedy_speculator(), _CudaLike(), capability=capability)
+    assert f"compute capability {capability[0]}.{capability[1]}" in reason
+    assert f"{dspark.FUSED_MARKOV_ENV}=1" in reason  # says how to turn it on
+    assert _declined(_greedy_speculator(), _CudaLike(), capability=(9, 0)) is None
+    monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
+    assert _declined(_greedy_speculator(), _CudaLike(), capability=capability) is None
+
+
+@pytest.mark.parametrize(
+    "setting,tp,capability,off",
+    [(None, 1, (10, 0), "compute capability 10.0"), (None, 2, (9, 0), "tensor_parallel_size 2"),
+     ("0", 1, (9, 0), "=0")],
+)  # fmt: skip
+def test_load_keeps_no_copies_when_the_walk_is_off(setting, tp, capability, off, monkeypatch):
+    """load_weights decides once, on the GPU the weights are on, and keeps the packed markov_w2
+    and the by-phase markov_w1 (164 MiB at the real shape) only when the walk can run."""
+    if setting is None:
+        monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
+    else:
+        monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, setting)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(dspark, "checked_weights", lambda spec, config, weights: weights)
+    monkeypatch.setattr(
+        dspark.Qwen3DSparkForCausalLM, "load_weights", lambda self, w: {n for n, _ in w}
+    )
+    model = dspark.Nemotron35DSparkForCausalLM.__new__(dspark.Nemotron35DSparkForCausalLM)
+    torch.nn.Module.__init__(model)
+    w1 = SimpleNamespace(device=torch.device("cuda"))  # stands for an embedding on a GPU
+    vars(model).update(
+        tensor_parallel_size=tp,
+        fused_walk_off="weights not loaded yet",
+        _packed_markov_w2={},
+        _markov_w1_by_phase=None,
+        draft_spec=SimpleNamespace(is_quantized=lambda name: True),
+        draft_model_config=None,
+        model=SimpleNamespace(markov_head=SimpleNamespace(markov_w1=SimpleNamespace(weight=w1))),
+    )
+    weights = [("markov_head.markov_w2.weight", torch.zeros(4, 2, dtype=torch.uint8))]
+    assert model.load_weights(weights) == {"markov_head.markov_w2.weight"}
+    assert off in model.fused_walk_off
+    assert model._packed_markov_w2 == {} and model._markov_w1_by_phase is None
 
 
 def test_without_the_anchor_patch_vllms_loop_runs(monkeypatch):

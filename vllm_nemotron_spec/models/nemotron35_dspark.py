@@ -56,6 +56,7 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         check_built_model_matches_spec(self, spec, vllm_config, source=ARCHITECTURE)
         check_dspark_modules(self, spec)
         self.tensor_parallel_size = vllm_config.parallel_config.tensor_parallel_size
+        self.fused_walk_off: str | None = "weights not loaded yet"  # why the fused walk is off
         self._packed_markov_w2: dict[str, torch.Tensor] = {}
         self._markov_w1_by_phase: torch.Tensor | None = None
 
@@ -67,9 +68,11 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         the tensor headers are checked first when start-up could not."""
 
         device = self.model.markov_head.markov_w1.weight.device
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        self.fused_walk_off = fused_walk_switch_reason(self.tensor_parallel_size, capability)
         keep = (
             device.type == "cuda"
-            and fused_walk_switch_reason(self.tensor_parallel_size) is None
+            and self.fused_walk_off is None
             and self.draft_spec.is_quantized("markov_head.markov_w2")
         )
 
@@ -93,12 +96,13 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         The query layout (``sample_from_anchor``) and the walk otherwise belong to the proposer
         (``proposers/dspark.py`` on vLLM's V1 runner, vLLM's ``DSparkSpeculator`` on V2). The
         fused walk (``kernels/markov.py``; ``markov_w2`` kept packed at load, 36 MiB at the real
-        shape, and ``markov_w1`` by phase, 128 MiB) runs for greedy drafting on one CUDA GPU:
-        inside the CUDA-graph engine at Lightning widths on the H200 it cut the draft step from
-        1.02 to 0.92 ms at concurrency 1 and 1.38 to 1.16 ms at 16 (DSpark 7,
-        benchmarks/RESULTS.md). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0`` keeps vLLM's loop; every
-        other case (sampling, top-k drafting, confidence heads, acceptance estimation, tensor
-        parallelism, CPU) runs vLLM's loop either way."""
+        shape, and ``markov_w1`` by phase, 128 MiB) runs for greedy drafting on one Hopper GPU
+        (elsewhere with ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1``): in the CUDA-graph engine at
+        Lightning widths on the H200 it cut the draft step from 1.02 to 0.92 ms at concurrency 1
+        and from 1.38 to 1.16 ms at 16 (DSpark 7, benchmarks/RESULTS.md).
+        ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0`` keeps vLLM's loop; every other case (sampling,
+        top-k drafting, confidence heads, acceptance estimation, tensor parallelism, other GPUs,
+        CPU) runs vLLM's loop."""
         declined = self.fused_walk_declined(speculator, head_hidden)
         _log_walk_choice_once(declined)
         if declined:
@@ -126,9 +130,8 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
 
     def fused_walk_declined(self, speculator, head_hidden: torch.Tensor) -> str | None:
         """Why the fused walk cannot run this step (None: it can)."""
-        switched_off = fused_walk_switch_reason(self.tensor_parallel_size)
-        if switched_off is not None:
-            return switched_off
+        if self.fused_walk_off is not None:
+            return self.fused_walk_off
         if not head_hidden.is_cuda:
             return f"hidden states on {head_hidden.device.type}, the fused walk is CUDA only"
         missing = {"weight", "weight_scale", "weight_scale_2"} - set(self._packed_markov_w2)
@@ -147,15 +150,25 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         return None
 
 
-def fused_walk_switch_reason(tensor_parallel_size: int) -> str | None:
-    """Why the fused walk is off for the whole engine (None: on, the default), decided before
-    loading so that its weight copies are kept only when it can run."""
-    if os.environ.get(FUSED_MARKOV_ENV, "1") == "0":
+def fused_walk_switch_reason(
+    tensor_parallel_size: int, capability: tuple[int, int] | None
+) -> str | None:
+    """Why the fused walk is off for the whole engine (None: on), decided at load so that its
+    weight copies are kept only when it can run. On by default where it was measured faster than
+    vLLM's loop: one Hopper GPU (SM 9.x). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1`` turns it on for
+    other GPUs, ``=0`` off everywhere."""
+    setting = os.environ.get(FUSED_MARKOV_ENV, "")
+    if setting == "0":
         return f"{FUSED_MARKOV_ENV}=0"
     if tensor_parallel_size > 1:
         # Each rank would walk the whole vocabulary with its own copy of markov_w2: not yet run on
         # GPUs under tensor parallelism, so vLLM's (vocab-parallel) loop runs there.
         return f"tensor_parallel_size {tensor_parallel_size} (the fused walk runs on one GPU)"
+    if setting != "1" and capability is not None and capability[0] != 9:
+        return (
+            f"compute capability {capability[0]}.{capability[1]}: the fused walk is measured "
+            f"faster on Hopper only ({FUSED_MARKOV_ENV}=1 runs it here)"
+        )
     return None
 
 
