@@ -87,12 +87,15 @@ def test_tensor_parallel_engines_run_vllms_loop(monkeypatch):
         assert "tensor_parallel_size 2" in _declined(_greedy_speculator(), _CudaLike(), tp=2)
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (10, 0), (12, 0)])
-def test_gpus_it_was_not_measured_on_run_vllms_loop_unless_asked(capability, monkeypatch):
-    """Faster than vLLM's loop was measured on Hopper (H200) only."""
+@pytest.mark.parametrize(
+    "capability,named", [((8, 0), "8.0"), ((10, 0), "10.0"), ((12, 0), "12.0"), (("ROCm", 9, 4), "ROCm 9.4")]
+)  # fmt: skip
+def test_gpus_it_was_not_measured_on_run_vllms_loop_unless_asked(capability, named, monkeypatch):
+    """Faster than vLLM's loop was measured on NVIDIA Hopper (H200) only; an AMD MI300 also
+    reports major version 9 and must not pass for one."""
     monkeypatch.delenv(dspark.FUSED_MARKOV_ENV, raising=False)
     reason = _declined(_greedy_speculator(), _CudaLike(), capability=capability)
-    assert f"compute capability {capability[0]}.{capability[1]}" in reason
+    assert f"compute capability {named}:" in reason
     assert f"{dspark.FUSED_MARKOV_ENV}=1" in reason  # says how to turn it on
     assert _declined(_greedy_speculator(), _CudaLike(), capability=(9, 0)) is None
     monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, "1")
@@ -100,11 +103,11 @@ def test_gpus_it_was_not_measured_on_run_vllms_loop_unless_asked(capability, mon
 
 
 @pytest.mark.parametrize(
-    "setting,tp,capability,off",
-    [(None, 1, (10, 0), "compute capability 10.0"), (None, 2, (9, 0), "tensor_parallel_size 2"),
-     ("0", 1, (9, 0), "=0")],
+    "setting,tp,capability,hip,off",
+    [(None, 1, (10, 0), None, "compute capability 10.0"), (None, 1, (9, 4), "6.4", "ROCm 9.4"),
+     (None, 2, (9, 0), None, "tensor_parallel_size 2"), ("0", 1, (9, 0), None, "=0")],
 )  # fmt: skip
-def test_load_keeps_no_copies_when_the_walk_is_off(setting, tp, capability, off, monkeypatch):
+def test_load_keeps_no_copies_when_the_walk_is_off(setting, tp, capability, hip, off, monkeypatch):
     """load_weights decides once, on the GPU the weights are on, and keeps the packed markov_w2
     and the by-phase markov_w1 (164 MiB at the real shape) only when the walk can run."""
     if setting is None:
@@ -112,6 +115,7 @@ def test_load_keeps_no_copies_when_the_walk_is_off(setting, tp, capability, off,
     else:
         monkeypatch.setenv(dspark.FUSED_MARKOV_ENV, setting)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(dspark, "checked_weights", lambda spec, config, weights: weights)
     monkeypatch.setattr(
         dspark.Qwen3DSparkForCausalLM, "load_weights", lambda self, w: {n for n, _ in w}

@@ -69,6 +69,8 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
 
         device = self.model.markov_head.markov_w1.weight.device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if capability is not None and torch.version.hip is not None:
+            capability = ("ROCm", *capability)  # an AMD GPU's numbers are not NVIDIA's SM versions
         self.fused_walk_off = fused_walk_switch_reason(self.tensor_parallel_size, capability)
         keep = (
             device.type == "cuda"
@@ -150,13 +152,12 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         return None
 
 
-def fused_walk_switch_reason(
-    tensor_parallel_size: int, capability: tuple[int, int] | None
-) -> str | None:
+def fused_walk_switch_reason(tensor_parallel_size: int, capability: tuple | None) -> str | None:
     """Why the fused walk is off for the whole engine (None: on), decided at load so that its
     weight copies are kept only when it can run. On by default where it was measured faster than
-    vLLM's loop: one Hopper GPU (SM 9.x). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1`` turns it on for
-    other GPUs, ``=0`` off everywhere."""
+    vLLM's loop: one NVIDIA Hopper GPU (``capability`` (9, x); ROCm devices come as ("ROCm",
+    major, minor)). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1`` turns it on for other GPUs, ``=0`` off
+    everywhere."""
     setting = os.environ.get(FUSED_MARKOV_ENV, "")
     if setting == "0":
         return f"{FUSED_MARKOV_ENV}=0"
@@ -165,9 +166,10 @@ def fused_walk_switch_reason(
         # GPUs under tensor parallelism, so vLLM's (vocab-parallel) loop runs there.
         return f"tensor_parallel_size {tensor_parallel_size} (the fused walk runs on one GPU)"
     if setting != "1" and capability is not None and capability[0] != 9:
+        gpu = ".".join(str(c) for c in capability).replace("ROCm.", "ROCm ")
         return (
-            f"compute capability {capability[0]}.{capability[1]}: the fused walk is measured "
-            f"faster on Hopper only ({FUSED_MARKOV_ENV}=1 runs it here)"
+            f"compute capability {gpu}: the fused walk is measured faster on NVIDIA Hopper only "
+            f"({FUSED_MARKOV_ENV}=1 runs it here)"
         )
     return None
 
