@@ -1,4 +1,4 @@
-"""Helpers shared by the serving benchmarks (gpu_recipe_check.py, gpu_multiturn.py): how a real
+"""Helpers shared by the benchmarks (gpu_recipe_check.py, gpu_multiturn.py, gpu_lightning.py): how a real
 ``vllm serve`` is launched on 127.0.0.1, the published serving recipe's flags and what this
 machine's vLLM supports of them, /metrics snapshots (prefix-cache and spec-decode counters), and
 the results files they write.
@@ -207,18 +207,34 @@ _BACKEND_LINE = re.compile(
 )
 
 
-def backend_lines(log: str, limit: int = 30) -> list[str]:
-    """The server log's lines that say which attention / Mamba backend runs and what the plugin
-    logged (deduplicated, trimmed)."""
+_KERNEL_LINE = re.compile(r"for (NVFP4|FP8|MXFP4) GEMM|[Hh]umming")
+
+
+def matching_lines(log: str, pattern: re.Pattern, limit: int) -> list[str]:
+    """A log's lines matching ``pattern``, without their logger prefix (process, time, source:
+    the same line from two processes counts once), trimmed, at most ``limit``."""
     out: list[str] = []
     for line in log.splitlines():
-        if _BACKEND_LINE.search(line) and "Warning:" not in line:
+        if pattern.search(line) and "Warning:" not in line:
             text = re.sub(r"^.*?\] ", "", line.strip())[-300:]
             if text not in out:
                 out.append(text)
         if len(out) >= limit:
             break
     return out
+
+
+def backend_lines(log: str, limit: int = 30) -> list[str]:
+    """The server log's lines that say which attention / Mamba backend runs and what the plugin
+    logged."""
+    return matching_lines(log, _BACKEND_LINE, limit)
+
+
+def kernel_lines(log: str, limit: int = 10) -> list[str]:
+    """The log's lines where vLLM names the GEMM kernels it picked (FP4 Marlin, Humming,
+    CuTe-DSL): the same run reads differently on one machine with and without
+    ``humming-kernels`` installed."""
+    return matching_lines(log, _KERNEL_LINE, limit)
 
 
 # ------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 import gpu_lightning as gl  # noqa: E402
 
 RANGE_PREFIX = "nsb:"  # names of this script's record_function ranges
@@ -773,7 +774,7 @@ def parent_main(args) -> int:
             got.setdefault("error", f"child exited with {rc}; see {log}")
         text = log.read_text(errors="replace")
         got["log_tail"] = text[-3000:]
-        got["kernel_log_lines"] = gl.kernel_choice_lines(text)
+        got["kernel_log_lines"] = _common.kernel_lines(text)
         got["run_s"] = round(took, 1)
         entry.update(got)
         if args.graph_reference and not args.smoke and str(got.get("status")).startswith("ok"):

@@ -73,7 +73,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -87,6 +86,8 @@ from vllm_nemotron_spec.checkpoint import layout
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
 
 # NVIDIA's expected acceptance lengths (shared doc, "Published reference numbers")
 EXPECTED = {"dflash": (3.18, 5), "dspark": (3.69, 7)}
@@ -661,17 +662,6 @@ def engine_kwargs(args, target: str, spec: RunSpec) -> dict:
     return kw
 
 
-def kernel_choice_lines(log: str, limit: int = 10) -> list[str]:
-    """The log lines where vLLM names the GEMM kernels it picked (FP4 Marlin, Humming, CuTe-DSL):
-    the same run reads differently on one machine with and without `humming-kernels` installed."""
-    picks = [
-        ln[-300:]
-        for ln in log.splitlines()
-        if re.search(r"for (NVFP4|FP8|MXFP4) GEMM|[Hh]umming", ln)
-    ]
-    return list(dict.fromkeys(picks))[:limit]
-
-
 def run_env(spec: RunSpec) -> dict:
     env = dict(os.environ)
     if spec.plugin:
@@ -871,7 +861,7 @@ def parent_main(args) -> int:
         child["log_tail"] = text[-3000:]
         child["nemotron_spec_log_lines"] = [ln[-400:] for ln in text.splitlines() if "nemotron-spec" in ln
                                             or "nemotron_spec" in ln][:20]  # fmt: skip
-        child["kernel_log_lines"] = kernel_choice_lines(text)
+        child["kernel_log_lines"] = _common.kernel_lines(text)
         child["run_s"] = round(took, 1)
         results["runs"].append({**entry, **child})
         save()

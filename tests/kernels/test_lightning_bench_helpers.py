@@ -91,3 +91,20 @@ def test_loop_runs_switch_the_fused_walk_off_and_run_only_when_named(monkeypatch
     assert "VLLM_PLUGINS" not in gl.run_env(loop)
     assert not loop.default and not runs["dspark3-ours-loop"].default
     assert all(r.default for r in gl.RUNS if not r.name.endswith("-loop"))
+
+
+def test_kernel_lines_name_each_gemm_kernel_once():
+    """The benchmarks record which NVFP4 kernel vLLM picked (Humming or FP4 Marlin on Hopper);
+    the same line from the engine's two processes counts once."""
+    log = (
+        "(EngineCore pid=7) INFO 12-01 23:40:20 [__init__.py:1303] Using HummingNvFp4LinearKernel"
+        " for NVFP4 GEMM\n"
+        "(APIServer pid=3) INFO 12-01 23:40:21 [__init__.py:1303] Using HummingNvFp4LinearKernel"
+        " for NVFP4 GEMM\n"
+        "INFO [model.py:1] Loading weights took 0.08 seconds\n"
+        "INFO [__init__.py:1303] Using MarlinNvFp4LinearKernel for NVFP4 GEMM\n"
+    )
+    assert gl._common.kernel_lines(log) == [
+        "Using HummingNvFp4LinearKernel for NVFP4 GEMM",
+        "Using MarlinNvFp4LinearKernel for NVFP4 GEMM",
+    ]
