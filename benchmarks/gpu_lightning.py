@@ -24,8 +24,8 @@ two drafts are ~1.2 GB each; reused by later invocations):
   ``target_layer_ids`` are spread over the reduced target (``tiny.drafts.spread_layer_ids``).
 
 Runs (each a fresh subprocess, so the GPU memory is released; results written after each run;
-an existing successful run in ``--out`` is kept unless ``--force``), in this order, as long as
-the ``--budget-s`` allows:
+an existing successful run in ``--out`` is kept unless ``--force``), in this order (``--runs``:
+in the order named), as long as the ``--budget-s`` allows:
 
     plain             no speculation (plugin disabled: VLLM_PLUGINS="")
     dspark7-ours      DSpark, 7 drafts, plugin enabled
@@ -36,6 +36,12 @@ the ``--budget-s`` allows:
     dspark3-upstream
     dspark7-ours-loop, dspark3-ours-loop   the plugin with vLLM's Markov loop instead of its
                       fused walk (VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0); only when named in --runs
+
+Engines of one configuration differ on a lent H200: at concurrency 1 some run ~4.0 ms a step and
+others ~6 ms with the same draft GPU time, so the difference is on the host. ``--engines N``
+starts the named runs N times over, interleaved, and each measurement records where the engine's
+busiest threads ran (``host``: CPUs, their hyperthread siblings, CPU seconds, the machine's busy
+CPUs), to compare configurations over several engines and see what the slow ones share.
 
 Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simultaneous prompts of
 ``--input-len`` random tokens (default 1024), ``--output-len`` tokens each (default 256, greedy,
@@ -118,6 +124,26 @@ RUNS = [
     RunSpec("dspark7-ours-loop", "dspark", 7, True, LOOP, default=False),
     RunSpec("dspark3-ours-loop", "dspark", 3, True, LOOP, default=False),
 ]
+
+
+def select_runs(runs_arg: str | None, engines: int = 1) -> list[tuple[RunSpec, int]]:
+    """The engines to start, in order: the default runs (``runs_arg`` None) or the named ones in
+    the order given, the whole list ``engines`` times over (interleaved: a, b, a, b), each with
+    its 1-based round. Interleaving spreads whatever drifts on the machine over every run."""
+    by_name = {r.name: r for r in RUNS}
+    names = runs_arg.split(",") if runs_arg else [r.name for r in RUNS if r.default]
+    unknown = sorted(set(names) - set(by_name))
+    if unknown:
+        raise SystemExit(f"unknown runs {unknown}; choose from {list(by_name)}")
+    if engines < 1:
+        raise SystemExit(f"--engines must be >= 1, got {engines}")
+    return [(by_name[n], k) for k in range(1, engines + 1) for n in dict.fromkeys(names)]
+
+
+def run_key(name: str, engine: int, engines: int) -> str:
+    """File stem of one engine's result and log: the run's name, with ``.<round>`` when
+    ``--engines`` starts the list more than once."""
+    return name if engines == 1 else f"{name}.{engine}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,6 +443,159 @@ class DraftStepTimer:
         }
 
 
+def parse_task_stat(text: str) -> dict:
+    """The fields of a /proc/<pid>[/task/<tid>]/stat line the host sampler reads: the command name
+    (in parentheses, may hold spaces), parent pid, CPU time in clock ticks, and the CPU it last ran
+    on (field 39)."""
+    head, _, rest = text.rpartition(")")
+    fields = rest.split()  # fields[0] is field 3 (state)
+    return {
+        "comm": head.partition("(")[2],
+        "ppid": int(fields[1]),
+        "ticks": int(fields[11]) + int(fields[12]),  # utime + stime
+        "cpu": int(fields[36]),
+    }
+
+
+class HostSampler:
+    """Where a process tree's threads run during a measurement: every ``period_s`` a background
+    thread reads /proc/<pid>/task/*/stat of ``root_pid`` and its descendants (found at start; the
+    engine core is up by then) and the machine's per-CPU busy time. Linux only; elsewhere the
+    summary says so. Its cost: a few hundred small reads every 0.2 s, in the frontend process."""
+
+    def __init__(self, root_pid: int | None = None, period_s: float = 0.2):
+        self.root = root_pid or os.getpid()
+        self.period = period_s
+        self.threads: dict[tuple[int, int], dict] = {}
+        self.errors: list[str] = []
+
+    @staticmethod
+    def _read(path: str) -> str | None:
+        try:
+            with open(path) as fh:
+                return fh.read()
+        except OSError:
+            return None
+
+    def _tree(self) -> list[int]:
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                text = self._read(f"/proc/{entry}/stat")
+                if text:
+                    parents[int(entry)] = parse_task_stat(text)["ppid"]
+        tree, frontier = [self.root], [self.root]
+        while frontier:
+            frontier = [pid for pid, ppid in parents.items() if ppid in frontier]
+            tree += frontier
+        return tree
+
+    @staticmethod
+    def _cpu_busy() -> dict[int, tuple[int, int]]:
+        """Per CPU: (busy, total) jiffies from /proc/stat."""
+        out = {}
+        for line in (HostSampler._read("/proc/stat") or "").splitlines():
+            name, *vals = line.split()
+            if name.startswith("cpu") and name[3:].isdigit():
+                v = [int(x) for x in vals]
+                idle = v[3] + (v[4] if len(v) > 4 else 0)
+                out[int(name[3:])] = (sum(v) - idle, sum(v))
+        return out
+
+    def _tick(self):
+        for pid in self.pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                text = self._read(f"/proc/{pid}/task/{tid}/stat")
+                if not text:
+                    continue
+                st = parse_task_stat(text)
+                rec = self.threads.setdefault(
+                    (pid, int(tid)), {"comm": st["comm"], "first": st["ticks"], "cpus": {}}
+                )
+                if st["ticks"] > rec.get("last", rec["first"]):  # ran since the last look
+                    rec["cpus"][st["cpu"]] = rec["cpus"].get(st["cpu"], 0) + 1
+                rec["last"] = st["ticks"]
+
+    def __enter__(self) -> "HostSampler":
+        import threading
+
+        self.available = os.path.isdir("/proc/self/task")
+        if not self.available:
+            return self
+        self.pids = self._tree()
+        self.busy0, self.t0 = self._cpu_busy(), time.perf_counter()
+        self._stop = threading.Event()
+
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    self._tick()
+                except Exception as exc:  # noqa: BLE001 - a diagnostic must not end the run
+                    self.errors.append(repr(exc)[:200])
+                self._stop.wait(self.period)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.available:
+            self._stop.set()
+            self._thread.join()
+            self._tick()
+            self.busy1, self.t1 = self._cpu_busy(), time.perf_counter()
+
+    def summary(self, top: int = 4) -> dict:
+        """The ``top`` busiest threads (CPU seconds, share of the wall time, the CPUs they were
+        seen on with counts), those CPUs' hyperthread siblings, and every CPU busier than 20%."""
+        if not self.available:
+            return {"available": False}
+        hz = os.sysconf("SC_CLK_TCK")
+        wall = max(1e-9, self.t1 - self.t0)
+        rows = sorted(
+            (
+                {"pid": pid, "tid": tid, "comm": r["comm"], "role": "frontend" if pid == self.root
+                 else "child", "cpu_s": (r["last"] - r["first"]) / hz,
+                 "share": round((r["last"] - r["first"]) / hz / wall, 3), "cpus": r["cpus"]}
+                for (pid, tid), r in self.threads.items()
+            ),
+            key=lambda r: -r["cpu_s"],
+        )  # fmt: skip
+        rows = [r for r in rows if r["share"] >= 0.01][:top]  # threads that ran
+        busy = {}
+        for cpu, (b1, t1) in self.busy1.items():
+            b0, t0 = self.busy0.get(cpu, (b1, t1))
+            if t1 > t0 and (b1 - b0) / (t1 - t0) > 0.2:
+                busy[cpu] = round((b1 - b0) / (t1 - t0), 2)
+        seen = sorted({c for r in rows for c in r["cpus"]})
+        siblings = {
+            c: (self._read(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") or "?").strip()
+            for c in seen
+        }  # fmt: skip
+        return {"available": True, "wall_s": round(wall, 3), "threads": rows,
+                "siblings": siblings, "busy_cpus": busy, "errors": self.errors[:3]}  # fmt: skip
+
+
+def host_line(summary: dict) -> str:
+    """One line of a HostSampler summary: each busy thread (frontend process or a child: the
+    engine core), its share of the wall time, the CPUs it was seen on and their siblings."""
+    if not summary.get("available"):
+        return "host: not sampled"
+    parts = []
+    for r in summary["threads"]:
+        cpus = ",".join(f"{c}" for c in sorted(r["cpus"], key=lambda c: -r["cpus"][c]))
+        sib = ";".join(summary["siblings"].get(c, "?") for c in sorted(r["cpus"]))
+        parts.append(
+            f"{r['role']} {r['comm']}/{r['tid']} {r['share']:.0%} on {cpus} (siblings {sib})"
+        )
+    busy = ",".join(f"{c}:{u:.0%}" for c, u in sorted(summary["busy_cpus"].items()))
+    return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}"
+
+
 def median_repeat(rows: list[dict]) -> dict:
     """The repeat with the median output tokens/s (the lower middle one for an even count), with
     every repeat's tokens/s and TPOT alongside (``*_all``): the spread within one engine."""
@@ -498,9 +677,10 @@ def child_main(spec_file: str) -> int:
         def measure(conc: int) -> dict:
             before = read_spec_counters(llm)
             timed_before = timer.snapshot() if timer else None
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts(conc, conc), params(out_len), use_tqdm=False)
-            wall = time.perf_counter() - t0
+            with HostSampler() as host:
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts(conc, conc), params(out_len), use_tqdm=False)
+                wall = time.perf_counter() - t0
             step_timing = (
                 DraftStepTimer.per_step(timed_before, timer.snapshot(), wall) if timer else {}
             )
@@ -524,6 +704,7 @@ def child_main(spec_file: str) -> int:
                 "per_position_acceptance": counters.per_position_acceptance,
                 "num_drafts": counters.num_drafts,
                 **step_timing,
+                "host": host.summary(),
             }  # fmt: skip
             if not tpots:  # wall-clock estimate: whole batch decodes together
                 row["tpot_ms_wall_estimate"] = wall / max(1, out_len - 1) * 1e3
@@ -534,7 +715,8 @@ def child_main(spec_file: str) -> int:
             result["concurrency"].append(row)
             print(f"[{spec['name']}] concurrency {conc}: {row['output_tok_s']:.1f} tok/s, "
                   f"TPOT {row['tpot_ms']} ms, acceptance {row['mean_acceptance_length']}, "
-                  f"draft {row.get('draft_ms_per_step')} ms/step", flush=True)  # fmt: skip
+                  f"draft {row.get('draft_ms_per_step')} ms/step, wall {row.get('wall_ms_per_step')} "
+                  f"ms/step; {host_line(row['host'])}", flush=True)  # fmt: skip
             save()
         result["status"] = "ok"
         save()
@@ -673,6 +855,11 @@ def run_env(spec: RunSpec) -> dict:
     return env
 
 
+def label(run: dict) -> str:
+    """A run's name in the table, with its round when the list ran more than once."""
+    return run["name"] + (f" #{run['round']}" if run.get("rounds", 1) > 1 else "")
+
+
 def markdown(results: dict) -> str:
     lines = ["# Nemotron 3.5 Lightning-width system benchmark (vLLM offline API)", ""]
     for k, v in results["setup"].items():
@@ -694,7 +881,7 @@ def markdown(results: dict) -> str:
                     .replace("|", "/")
                     .replace("\n", " ")
                 )
-                lines.append(f"| {r['name']} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | | | | | "
+                lines.append(f"| {label(r)} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | | | | | "
                              f"| | | | {r.get('startup_s', '')} | {err} |")  # fmt: skip
                 continue
             tps = c.get("output_tok_s")
@@ -718,7 +905,7 @@ def markdown(results: dict) -> str:
             )
             wall_step = c.get("wall_ms_per_step")
             lines.append(
-                f"| {r['name']} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | {c['concurrency']} | "
+                f"| {label(r)} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | {c['concurrency']} | "
                 f"{tps_s} | {speed} | {tpot:.2f} | {'' if ttft is None else f'{ttft:.1f}'} | {acc_s} | "
                 f"{draft_s} | {'' if wall_step is None else f'{wall_step:.2f}'} | "
                 f"{r.get('startup_s', '')} | {r.get('status')} |"
@@ -728,6 +915,13 @@ def markdown(results: dict) -> str:
               "brackets the DSpark Markov walk (DSparkSpeculator._sample_sequential) when it runs outside a "
               "CUDA graph. Wall ms/step: the generate call's wall time over the timed steps.",
               "TPOT: mean over requests of (last - first token time) / (tokens - 1), vLLM request stats."]  # fmt: skip
+    placed = [(r, c) for r in results["runs"] for c in r.get("concurrency") or [] if c.get("host")]
+    if placed:
+        lines += ["", "Where the busiest threads ran (median repeat; `benchmarks/gpu_lightning.py` HostSampler):", ""]  # fmt: skip
+        lines += [
+            f"- {label(r)}, concurrency {c['concurrency']}: {host_line(c['host'])}"
+            for r, c in placed
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -751,10 +945,7 @@ def parent_main(args) -> int:
     target_cfg = json.loads((Path(models["target"]) / "config.json").read_text())
     if args.build_only:
         return inspect_models(models, out)
-    selected = [r for r in RUNS if (r.name in args.runs.split(",") if args.runs else r.default)]
-    unknown = set(args.runs.split(",")) - {r.name for r in RUNS} if args.runs else set()
-    if unknown:
-        raise SystemExit(f"unknown runs {sorted(unknown)}; choose from {[r.name for r in RUNS]}")
+    selected = select_runs(args.runs, args.engines)
     have_plugin = plugin_installed()
     results = {
         "setup": {
@@ -783,10 +974,13 @@ def parent_main(args) -> int:
         (out / "results.md").write_text(markdown(results))
 
     longest = 0.0
-    for spec in selected:
-        result_file = out / "runs" / f"{spec.name}.json"
+    for spec, round_ in selected:
+        key = run_key(spec.name, round_, args.engines)
+        result_file = out / "runs" / f"{key}.json"
         entry = {
             "name": spec.name,
+            "round": round_,
+            "rounds": args.engines,
             "method": spec.method,
             "gamma": spec.gamma,
             "plugin": spec.plugin,
@@ -806,7 +1000,7 @@ def parent_main(args) -> int:
             and previous.get("fingerprint") == fingerprint
             and not args.force
         ):
-            print(f"[{time.time() - t_start:6.0f}s] {spec.name}: kept from an earlier invocation")
+            print(f"[{time.time() - t_start:6.0f}s] {key}: kept from an earlier invocation")
             results["runs"].append({**entry, **previous, "kept": True})
             save()
             continue
@@ -820,7 +1014,7 @@ def parent_main(args) -> int:
         need = max(args.min_run_s, 0.8 * longest)
         if remaining < need:
             print(
-                f"[{elapsed:6.0f}s] {spec.name}: skipped (budget: {remaining:.0f} s left, a run takes ~{need:.0f} s)"
+                f"[{elapsed:6.0f}s] {key}: skipped (budget: {remaining:.0f} s left, a run takes ~{need:.0f} s)"
             )
             results["runs"].append({**entry, "status": "skipped: time budget"})
             save()
@@ -834,13 +1028,13 @@ def parent_main(args) -> int:
         }  # fmt: skip
         if spec.method:
             child_spec["speculative"] = speculative_config(spec, models, args.smoke)
-        spec_file = out / "runs" / f"{spec.name}.spec.json"
+        spec_file = out / "runs" / f"{key}.spec.json"
         spec_file.write_text(json.dumps(child_spec, indent=1))
         result_file.unlink(missing_ok=True)
-        log = out / "logs" / f"{spec.name}.log"
+        log = out / "logs" / f"{key}.log"
         timeout = max(30.0, remaining - 5)
         print(
-            f"[{elapsed:6.0f}s] {spec.name}: starting (timeout {timeout:.0f} s, log {log})",
+            f"[{elapsed:6.0f}s] {key}: starting (timeout {timeout:.0f} s, log {log})",
             flush=True,
         )
         t0 = time.time()
@@ -866,7 +1060,7 @@ def parent_main(args) -> int:
         results["runs"].append({**entry, **child})
         save()
         print(
-            f"[{time.time() - t_start:6.0f}s] {spec.name}: {child.get('status')} in {took:.0f} s",
+            f"[{time.time() - t_start:6.0f}s] {key}: {child.get('status')} in {took:.0f} s",
             flush=True,
         )
         for c in child.get("concurrency", []):
@@ -898,7 +1092,16 @@ def main(argv=None) -> int:
         "--depth", type=int, default=30, help="target blocks (>= 29; 52 = the real model)"
     )
     p.add_argument(
-        "--runs", default=None, help=f"comma-separated subset of {[r.name for r in RUNS]}"
+        "--runs",
+        default=None,
+        help=f"comma-separated subset of {[r.name for r in RUNS]}, run in the order given",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="start the list of runs this many times over, interleaved (a, b, a, b): one engine "
+        "per run and round, results as runs/<run>.<round>.json (default 1)",
     )
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None)
     p.add_argument("--input-len", type=int, default=None)

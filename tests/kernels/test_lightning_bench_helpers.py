@@ -4,7 +4,9 @@ target pattern (the GPU run depends on both being right the first time)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,54 @@ def test_kernel_lines_name_each_gemm_kernel_once():
         "Using HummingNvFp4LinearKernel for NVFP4 GEMM",
         "Using MarlinNvFp4LinearKernel for NVFP4 GEMM",
     ]
+
+
+def test_runs_start_in_the_order_named_and_interleave_over_rounds():
+    """``--runs b,a`` starts b first (the loop/fused comparison depends on it), ``--engines 2``
+    repeats the whole list (a, b, a, b), and an unknown name is refused before anything starts."""
+    got = [(r.name, k) for r, k in gl.select_runs("dspark3-ours-loop,dspark3-upstream", 2)]
+    assert got == [
+        ("dspark3-ours-loop", 1),
+        ("dspark3-upstream", 1),
+        ("dspark3-ours-loop", 2),
+        ("dspark3-upstream", 2),
+    ]
+    assert [r.name for r, _ in gl.select_runs(None)] == [r.name for r in gl.RUNS if r.default]
+    assert [r.name for r, _ in gl.select_runs("plain,plain")] == ["plain"]
+    with pytest.raises(SystemExit, match="unknown runs \\['dspark9'\\]"):
+        gl.select_runs("plain,dspark9")
+    with pytest.raises(SystemExit, match="--engines"):
+        gl.select_runs("plain", 0)
+    assert gl.run_key("plain", 1, 1) == "plain" and gl.run_key("plain", 2, 3) == "plain.2"
+
+
+def test_task_stat_parsing_survives_spaces_and_parentheses_in_the_name():
+    fields = ["S", "41"] + ["0"] * 9 + ["250", "17"] + ["0"] * 23 + ["5"] + ["0"] * 13
+    got = gl.parse_task_stat("123 (EngineCore (DP0) x) " + " ".join(fields))
+    assert got == {"comm": "EngineCore (DP0) x", "ppid": 41, "ticks": 267, "cpu": 5}
+    with open("/proc/self/stat") as fh:
+        me = gl.parse_task_stat(fh.read())
+    assert me["ppid"] == os.getppid() and me["cpu"] in os.sched_getaffinity(0)
+
+
+def test_host_sampler_finds_a_busy_child_and_where_it_ran():
+    """A child process spinning for ~1.5 s is found in the process tree and reported as the
+    busiest thread, with the CPUs it was seen on and their hyperthread siblings."""
+    import subprocess
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"]
+    )
+    try:
+        time.sleep(0.2)  # the sampler finds the tree when it starts
+        with gl.HostSampler(period_s=0.05) as host:
+            child.wait(timeout=30)
+    finally:
+        child.kill()
+    summary = host.summary()
+    busiest = summary["threads"][0]
+    assert busiest["pid"] == child.pid and busiest["cpu_s"] > 0.3, summary
+    assert busiest["cpus"] and set(busiest["cpus"]) <= set(summary["siblings"])
+    assert set(busiest["cpus"]) <= os.sched_getaffinity(0)
+    line = gl.host_line(summary)
+    assert line.startswith("host: child python") and f"/{child.pid} " in line, line
