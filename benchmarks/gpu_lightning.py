@@ -551,7 +551,8 @@ class HostSampler:
 
     def summary(self, top: int = 4) -> dict:
         """The ``top`` busiest threads (CPU seconds, share of the wall time, the CPUs they were
-        seen on with counts), those CPUs' hyperthread siblings, and every CPU busier than 20%."""
+        seen on with counts), those CPUs' hyperthread siblings and clock (where readable), and
+        every CPU busier than 20%."""
         if not self.available:
             return {"available": False}
         hz = os.sysconf("SC_CLK_TCK")
@@ -576,23 +577,33 @@ class HostSampler:
             c: (self._read(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") or "?").strip()
             for c in seen
         }  # fmt: skip
+        mhz = {}  # where the VM exposes cpufreq: the clock of those CPUs at the end
+        for c in seen:
+            khz = self._read(f"/sys/devices/system/cpu/cpu{c}/cpufreq/scaling_cur_freq")
+            if khz and khz.strip().isdigit():
+                mhz[c] = int(khz) // 1000
         return {"available": True, "wall_s": round(wall, 3), "threads": rows,
-                "siblings": siblings, "busy_cpus": busy, "errors": self.errors[:3]}  # fmt: skip
+                "siblings": siblings, "mhz": mhz, "busy_cpus": busy,
+                "allowed_cpus": len(os.sched_getaffinity(0)), "errors": self.errors[:3]}  # fmt: skip
 
 
 def host_line(summary: dict) -> str:
     """One line of a HostSampler summary: each busy thread (frontend process or a child: the
-    engine core), its share of the wall time, the CPUs it was seen on and their siblings."""
+    engine core), its share of the wall time, the CPUs it was seen on (most often first), their
+    hyperthread sibling groups and clock where readable, then the machine's busy CPUs."""
     if not summary.get("available"):
         return "host: not sampled"
     parts = []
     for r in summary["threads"]:
-        cpus = ",".join(f"{c}" for c in sorted(r["cpus"], key=lambda c: -r["cpus"][c]))
-        sib = ";".join(summary["siblings"].get(c, "?") for c in sorted(r["cpus"]))
+        cpus = sorted(r["cpus"], key=lambda c: -r["cpus"][c])
+        groups = " ".join(dict.fromkeys(summary["siblings"].get(c, "?") for c in cpus))
+        mhz = "/".join(str(summary.get("mhz", {})[c]) for c in cpus if c in summary.get("mhz", {}))
         parts.append(
-            f"{r['role']} {r['comm']}/{r['tid']} {r['share']:.0%} on {cpus} (siblings {sib})"
+            f"{r['role']} {r['comm']}/{r['tid']} {r['share']:.0%} on {','.join(map(str, cpus))} "
+            f"(siblings {groups}{f'; {mhz} MHz' if mhz else ''})"
         )
-    busy = ",".join(f"{c}:{u:.0%}" for c, u in sorted(summary["busy_cpus"].items()))
+    by_cpu = sorted(summary["busy_cpus"].items(), key=lambda kv: int(kv[0]))  # keys: str in JSON
+    busy = ",".join(f"{c}:{u:.0%}" for c, u in by_cpu)
     return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}"
 
 

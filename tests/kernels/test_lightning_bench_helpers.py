@@ -4,6 +4,7 @@ target pattern (the GPU run depends on both being right the first time)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -161,3 +162,20 @@ def test_host_sampler_finds_a_busy_child_and_where_it_ran():
     assert set(busiest["cpus"]) <= os.sched_getaffinity(0)
     line = gl.host_line(summary)
     assert line.startswith("host: child python") and f"/{child.pid} " in line, line
+
+
+def test_host_line_reads_a_summary_before_and_after_json():
+    """results.md is written from the JSON files too, where the CPU numbers have become strings."""
+    summary = {
+        "available": True,
+        "threads": [
+            {"role": "child", "comm": "EngineCore", "tid": 7, "share": 0.97, "cpus": {3: 10, 19: 2}}
+        ],
+        "siblings": {3: "3,19", 19: "3,19"},
+        "mhz": {3: 2400},
+        "busy_cpus": {3: 0.9, 19: 0.45},
+    }
+    want = "host: child EngineCore/7 97% on 3,19 (siblings 3,19; 2400 MHz); busy CPUs 3:90%,19:45%"
+    assert gl.host_line(summary) == want
+    assert gl.host_line(json.loads(json.dumps(summary))) == want
+    assert gl.host_line({"available": False}) == "host: not sampled"
