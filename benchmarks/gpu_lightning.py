@@ -38,7 +38,7 @@ in the order named), as long as the ``--budget-s`` allows:
                       fused walk (VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0); only when named in --runs
 
 Engines of one configuration differ on a lent H200: at concurrency 1 some run ~4.0 ms a step and
-others ~6 ms with the same draft GPU time, so the difference is on the host. ``--engines N``
+others ~6 ms with the same draft GPU time, so the difference is outside the draft. ``--engines N``
 starts the named runs N times over, interleaved, and each measurement records where the engine's
 busiest threads ran (``host``: CPUs, their hyperthread siblings, CPU seconds, the machine's busy
 CPUs), to compare configurations over several engines and see what the slow ones share.
