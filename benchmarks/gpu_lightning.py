@@ -41,7 +41,8 @@ Engines of one configuration differ on a lent H200: at concurrency 1 some run ~4
 others ~6 ms with the same draft GPU time, so the difference is outside the draft. ``--engines N``
 starts the named runs N times over, interleaved, and each measurement records where the engine's
 busiest threads ran (``host``: CPUs, their hyperthread siblings, CPU seconds, the machine's busy
-CPUs), to compare configurations over several engines and see what the slow ones share.
+CPUs, the hypervisor's steal time), to compare configurations over several engines and see what
+the slow ones share.
 
 Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simultaneous prompts of
 ``--input-len`` random tokens (default 1024), ``--output-len`` tokens each (default 256, greedy,
@@ -491,15 +492,16 @@ class HostSampler:
         return tree
 
     @staticmethod
-    def _cpu_busy() -> dict[int, tuple[int, int]]:
-        """Per CPU: (busy, total) jiffies from /proc/stat."""
+    def _cpu_busy() -> dict[int, tuple[int, int, int]]:
+        """Per CPU: (busy, total, steal) jiffies from /proc/stat. Steal: time the hypervisor ran
+        something else while this virtual CPU had work (another tenant of the host)."""
         out = {}
         for line in (HostSampler._read("/proc/stat") or "").splitlines():
             name, *vals = line.split()
             if name.startswith("cpu") and name[3:].isdigit():
-                v = [int(x) for x in vals]
+                v = [int(x) for x in vals[:8]]  # user nice system idle iowait irq softirq steal
                 idle = v[3] + (v[4] if len(v) > 4 else 0)
-                out[int(name[3:])] = (sum(v) - idle, sum(v))
+                out[int(name[3:])] = (sum(v) - idle, sum(v), v[7] if len(v) > 7 else 0)
         return out
 
     def _tick(self):
@@ -551,8 +553,8 @@ class HostSampler:
 
     def summary(self, top: int = 4) -> dict:
         """The ``top`` busiest threads (CPU seconds, share of the wall time, the CPUs they were
-        seen on with counts), those CPUs' hyperthread siblings and clock (where readable), and
-        every CPU busier than 20%."""
+        seen on with counts), those CPUs' hyperthread siblings and clock (where readable), every
+        CPU busier than 20%, and steal time (per CPU above 1%, and over all CPUs)."""
         if not self.available:
             return {"available": False}
         hz = os.sysconf("SC_CLK_TCK")
@@ -567,11 +569,14 @@ class HostSampler:
             key=lambda r: -r["cpu_s"],
         )  # fmt: skip
         rows = [r for r in rows if r["share"] >= 0.01][:top]  # threads that ran
-        busy = {}
-        for cpu, (b1, t1) in self.busy1.items():
-            b0, t0 = self.busy0.get(cpu, (b1, t1))
+        busy, steal, stolen, total = {}, {}, 0, 0
+        for cpu, (b1, t1, s1) in self.busy1.items():
+            b0, t0, s0 = self.busy0.get(cpu, (b1, t1, s1))
+            stolen, total = stolen + s1 - s0, total + t1 - t0
             if t1 > t0 and (b1 - b0) / (t1 - t0) > 0.2:
                 busy[cpu] = round((b1 - b0) / (t1 - t0), 2)
+            if t1 > t0 and (s1 - s0) / (t1 - t0) > 0.01:
+                steal[cpu] = round((s1 - s0) / (t1 - t0), 3)
         seen = sorted({c for r in rows for c in r["cpus"]})
         siblings = {
             c: (self._read(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") or "?").strip()
@@ -583,14 +588,16 @@ class HostSampler:
             if khz and khz.strip().isdigit():
                 mhz[c] = int(khz) // 1000
         return {"available": True, "wall_s": round(wall, 3), "threads": rows,
-                "siblings": siblings, "mhz": mhz, "busy_cpus": busy,
+                "siblings": siblings, "mhz": mhz, "busy_cpus": busy, "steal_cpus": steal,
+                "steal": round(stolen / total, 4) if total else 0.0,
                 "allowed_cpus": len(os.sched_getaffinity(0)), "errors": self.errors[:3]}  # fmt: skip
 
 
 def host_line(summary: dict) -> str:
     """One line of a HostSampler summary: each busy thread (frontend process or a child: the
     engine core), its share of the wall time, the CPUs it was seen on (most often first), their
-    hyperthread sibling groups and clock where readable, then the machine's busy CPUs."""
+    hyperthread sibling groups and clock where readable, then the machine's busy CPUs and the
+    share of all CPU time the hypervisor gave to others (steal)."""
     if not summary.get("available"):
         return "host: not sampled"
     parts = []
@@ -604,7 +611,8 @@ def host_line(summary: dict) -> str:
         )
     by_cpu = sorted(summary["busy_cpus"].items(), key=lambda kv: int(kv[0]))  # keys: str in JSON
     busy = ",".join(f"{c}:{u:.0%}" for c, u in by_cpu)
-    return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}"
+    steal = summary.get("steal", 0.0)
+    return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}; steal {steal:.1%}"
 
 
 def median_repeat(rows: list[dict]) -> dict:

@@ -175,7 +175,10 @@ def test_host_line_reads_a_summary_before_and_after_json():
         "mhz": {3: 2400},
         "busy_cpus": {3: 0.9, 19: 0.45},
     }
-    want = "host: child EngineCore/7 97% on 3,19 (siblings 3,19; 2400 MHz); busy CPUs 3:90%,19:45%"
+    want = (
+        "host: child EngineCore/7 97% on 3,19 (siblings 3,19; 2400 MHz); busy CPUs 3:90%,19:45%;"
+        " steal 0.0%"
+    )
     assert gl.host_line(summary) == want
     assert gl.host_line(json.loads(json.dumps(summary))) == want
     assert gl.host_line({"available": False}) == "host: not sampled"
