@@ -40,9 +40,9 @@ in the order named), as long as the ``--budget-s`` allows:
 Engines of one configuration differ on a lent H200: at concurrency 1 some run ~4.0 ms a step and
 others ~6 ms with the same draft GPU time, so the difference is outside the draft. ``--engines N``
 starts the named runs N times over, interleaved, and each measurement records where the engine's
-busiest threads ran (``host``: CPUs, their hyperthread siblings, CPU seconds, the machine's busy
-CPUs, the hypervisor's steal time), to compare configurations over several engines and see what
-the slow ones share.
+busiest threads ran (``host``: CPUs, their hyperthread siblings and NUMA node, CPU seconds, the
+machine's busy CPUs, the hypervisor's steal time; the GPU's NUMA node per engine), to compare
+configurations over several engines and see what the slow ones share.
 
 Each run: one engine, a warm-up, then ``--concurrency`` (default 1,4,16) simultaneous prompts of
 ``--input-len`` random tokens (default 1024), ``--output-len`` tokens each (default 256, greedy,
@@ -582,15 +582,39 @@ class HostSampler:
             c: (self._read(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list") or "?").strip()
             for c in seen
         }  # fmt: skip
+        numa = {}  # the NUMA node of each CPU seen (the engine's GPU hangs off one of them)
+        for c in seen:
+            try:
+                nodes = [
+                    e for e in os.listdir(f"/sys/devices/system/cpu/cpu{c}") if e.startswith("node")
+                ]
+            except OSError:
+                nodes = []
+            if nodes:
+                numa[c] = int(nodes[0][4:])
         mhz = {}  # where the VM exposes cpufreq: the clock of those CPUs at the end
         for c in seen:
             khz = self._read(f"/sys/devices/system/cpu/cpu{c}/cpufreq/scaling_cur_freq")
             if khz and khz.strip().isdigit():
                 mhz[c] = int(khz) // 1000
         return {"available": True, "wall_s": round(wall, 3), "threads": rows,
-                "siblings": siblings, "mhz": mhz, "busy_cpus": busy, "steal_cpus": steal,
+                "siblings": siblings, "numa": numa, "mhz": mhz, "busy_cpus": busy, "steal_cpus": steal,
                 "steal": round(stolen / total, 4) if total else 0.0,
                 "allowed_cpus": len(os.sched_getaffinity(0)), "errors": self.errors[:3]}  # fmt: skip
+
+
+def gpu_numa_node() -> int | None:
+    """The NUMA node the GPU in use is attached to (sysfs of its PCI address; None where unknown):
+    an engine whose threads run on another node's CPUs crosses the socket on every launch."""
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        addr = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        node = int(Path(f"/sys/bus/pci/devices/{addr}/numa_node").read_text())
+    except Exception:  # noqa: BLE001 - no CUDA, no sysfs, an older torch: unknown
+        return None
+    return node if node >= 0 else None
 
 
 def host_line(summary: dict) -> str:
@@ -605,9 +629,10 @@ def host_line(summary: dict) -> str:
         cpus = sorted(r["cpus"], key=lambda c: -r["cpus"][c])
         groups = " ".join(dict.fromkeys(summary["siblings"].get(c, "?") for c in cpus))
         mhz = "/".join(str(summary.get("mhz", {})[c]) for c in cpus if c in summary.get("mhz", {}))
+        nodes = ",".join(dict.fromkeys(str(summary.get("numa", {})[c]) for c in cpus if c in summary.get("numa", {})))  # fmt: skip
         parts.append(
             f"{r['role']} {r['comm']}/{r['tid']} {r['share']:.0%} on {','.join(map(str, cpus))} "
-            f"(siblings {groups}{f'; {mhz} MHz' if mhz else ''})"
+            f"(siblings {groups}{f'; node {nodes}' if nodes else ''}{f'; {mhz} MHz' if mhz else ''})"
         )
     by_cpu = sorted(summary["busy_cpus"].items(), key=lambda kv: int(kv[0]))  # keys: str in JSON
     busy = ",".join(f"{c}:{u:.0%}" for c, u in by_cpu)
@@ -667,6 +692,7 @@ def child_main(spec_file: str) -> int:
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         result["startup_s"] = round(time.perf_counter() - t0, 1)
+        result["gpu_numa_node"] = None if spec["smoke"] else gpu_numa_node()
         plugin = sys.modules.get("vllm_nemotron_spec.plugin")
         result["plugin_registered_in_frontend"] = getattr(plugin, "_registered", None)
         result["status"] = "running"
@@ -938,7 +964,8 @@ def markdown(results: dict) -> str:
     if placed:
         lines += ["", "Where the busiest threads ran (median repeat; `benchmarks/gpu_lightning.py` HostSampler):", ""]  # fmt: skip
         lines += [
-            f"- {label(r)}, concurrency {c['concurrency']}: {host_line(c['host'])}"
+            f"- {label(r)}, concurrency {c['concurrency']} (GPU on NUMA node "
+            f"{r.get('gpu_numa_node')}): {host_line(c['host'])}"
             for r, c in placed
         ]
     return "\n".join(lines) + "\n"

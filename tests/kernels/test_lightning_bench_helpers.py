@@ -160,6 +160,9 @@ def test_host_sampler_finds_a_busy_child_and_where_it_ran():
     assert busiest["pid"] == child.pid and busiest["cpu_s"] > 0.3, summary
     assert busiest["cpus"] and set(busiest["cpus"]) <= set(summary["siblings"])
     assert set(busiest["cpus"]) <= os.sched_getaffinity(0)
+    if os.path.isdir("/sys/devices/system/node/node0"):  # NUMA nodes exposed: each CPU has one
+        assert set(summary["numa"]) == set(summary["siblings"]), summary
+    assert 0.0 <= summary["steal"] <= 1.0
     line = gl.host_line(summary)
     assert line.startswith("host: child python") and f"/{child.pid} " in line, line
 
@@ -172,12 +175,14 @@ def test_host_line_reads_a_summary_before_and_after_json():
             {"role": "child", "comm": "EngineCore", "tid": 7, "share": 0.97, "cpus": {3: 10, 19: 2}}
         ],
         "siblings": {3: "3,19", 19: "3,19"},
+        "numa": {3: 1, 19: 1},
         "mhz": {3: 2400},
         "busy_cpus": {3: 0.9, 19: 0.45},
+        "steal": 0.0123,
     }
     want = (
-        "host: child EngineCore/7 97% on 3,19 (siblings 3,19; 2400 MHz); busy CPUs 3:90%,19:45%;"
-        " steal 0.0%"
+        "host: child EngineCore/7 97% on 3,19 (siblings 3,19; node 1; 2400 MHz);"
+        " busy CPUs 3:90%,19:45%; steal 1.2%"
     )
     assert gl.host_line(summary) == want
     assert gl.host_line(json.loads(json.dumps(summary))) == want
