@@ -469,6 +469,7 @@ class HostSampler:
         self.period = period_s
         self.threads: dict[tuple[int, int], dict] = {}
         self.errors: list[str] = []
+        self.ticks, self.tick_s = 0, 0.0  # the sampler's own cost, reported with its findings
 
     @staticmethod
     def _read(path: str) -> str | None:
@@ -505,6 +506,11 @@ class HostSampler:
         return out
 
     def _tick(self):
+        t0 = time.perf_counter()
+        self._read_threads()
+        self.ticks, self.tick_s = self.ticks + 1, self.tick_s + time.perf_counter() - t0
+
+    def _read_threads(self):
         for pid in self.pids:
             try:
                 tids = os.listdir(f"/proc/{pid}/task")
@@ -600,7 +606,8 @@ class HostSampler:
         return {"available": True, "wall_s": round(wall, 3), "threads": rows,
                 "siblings": siblings, "numa": numa, "mhz": mhz, "busy_cpus": busy, "steal_cpus": steal,
                 "steal": round(stolen / total, 4) if total else 0.0,
-                "allowed_cpus": len(os.sched_getaffinity(0)), "errors": self.errors[:3]}  # fmt: skip
+                "allowed_cpus": len(os.sched_getaffinity(0)), "errors": self.errors[:3],
+                "samples": self.ticks, "sampler_ms_per_sample": round(1e3 * self.tick_s / max(1, self.ticks), 3)}  # fmt: skip
 
 
 def gpu_numa_node() -> int | None:
@@ -620,8 +627,8 @@ def gpu_numa_node() -> int | None:
 def host_line(summary: dict) -> str:
     """One line of a HostSampler summary: each busy thread (frontend process or a child: the
     engine core), its share of the wall time, the CPUs it was seen on (most often first), their
-    hyperthread sibling groups and clock where readable, then the machine's busy CPUs and the
-    share of all CPU time the hypervisor gave to others (steal)."""
+    hyperthread sibling groups and clock where readable, then the machine's busy CPUs, the
+    share of all CPU time the hypervisor gave to others (steal), and the sampler's own cost."""
     if not summary.get("available"):
         return "host: not sampled"
     parts = []
@@ -637,7 +644,12 @@ def host_line(summary: dict) -> str:
     by_cpu = sorted(summary["busy_cpus"].items(), key=lambda kv: int(kv[0]))  # keys: str in JSON
     busy = ",".join(f"{c}:{u:.0%}" for c, u in by_cpu)
     steal = summary.get("steal", 0.0)
-    return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}; steal {steal:.1%}"
+    cost = (
+        f"; {summary['samples']} samples of {summary['sampler_ms_per_sample']} ms"
+        if "samples" in summary
+        else ""
+    )
+    return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}; steal {steal:.1%}{cost}"
 
 
 def median_repeat(rows: list[dict]) -> dict:
