@@ -1,7 +1,7 @@
-"""Helpers shared by the benchmarks (gpu_recipe_check.py, gpu_multiturn.py, gpu_lightning.py): how a real
-``vllm serve`` is launched on 127.0.0.1, the published serving recipe's flags and what this
-machine's vLLM supports of them, /metrics snapshots (prefix-cache and spec-decode counters), and
-the results files they write.
+"""Helpers shared by the benchmarks (gpu_recipe_check.py, gpu_multiturn.py, gpu_lightning.py,
+gpu_draft_breakdown.py): how a real ``vllm serve`` is launched on 127.0.0.1, the published serving
+recipe's flags and what this machine's vLLM supports of them, /metrics snapshots (prefix-cache and
+spec-decode counters), the log lines naming backends and kernels, and the results files they write.
 
 The server side reuses ``vllm_nemotron_spec.bench`` (``server``: Server, readiness; ``client``: HTTP); the launcher is
 chosen here: vLLM's own CLI module on CUDA (the GPU bundle has no console scripts), the package's

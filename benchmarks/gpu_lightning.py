@@ -141,10 +141,10 @@ def select_runs(runs_arg: str | None, engines: int = 1) -> list[tuple[RunSpec, i
     return [(by_name[n], k) for k in range(1, engines + 1) for n in dict.fromkeys(names)]
 
 
-def run_key(name: str, engine: int, engines: int) -> str:
+def run_key(name: str, round_: int, rounds: int) -> str:
     """File stem of one engine's result and log: the run's name, with ``.<round>`` when
     ``--engines`` starts the list more than once."""
-    return name if engines == 1 else f"{name}.{engine}"
+    return name if rounds == 1 else f"{name}.{round_}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -704,7 +704,7 @@ def child_main(spec_file: str) -> int:
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         result["startup_s"] = round(time.perf_counter() - t0, 1)
-        result["gpu_numa_node"] = None if spec["smoke"] else gpu_numa_node()
+        result["gpu_numa_node"] = gpu_numa_node()
         plugin = sys.modules.get("vllm_nemotron_spec.plugin")
         result["plugin_registered_in_frontend"] = getattr(plugin, "_registered", None)
         result["status"] = "running"
