@@ -461,7 +461,9 @@ def parse_task_stat(text: str) -> dict:
 class HostSampler:
     """Where a process tree's threads run during a measurement: every ``period_s`` a background
     thread reads /proc/<pid>/task/*/stat of ``root_pid`` and its descendants (found at start; the
-    engine core is up by then) and the machine's per-CPU busy time. Linux only; elsewhere the
+    engine core is up by then) and the machine's per-CPU busy time; where NVML answers, also the
+    GPU's busy share, SM clock, power and clock-limit reasons: a step slower on the GPU than on the
+    CPU shows as a busy GPU, one waiting for the host as an idle one. Linux only; elsewhere the
     summary says so. Its cost: a few hundred small reads every 0.2 s, in the frontend process."""
 
     def __init__(self, root_pid: int | None = None, period_s: float = 0.2):
@@ -470,6 +472,7 @@ class HostSampler:
         self.threads: dict[tuple[int, int], dict] = {}
         self.errors: list[str] = []
         self.ticks, self.tick_s = 0, 0.0  # the sampler's own cost, reported with its findings
+        self.gpu_samples: list[tuple[int, int, float, int]] = []  # busy %, SM MHz, W, reasons
 
     @staticmethod
     def _read(path: str) -> str | None:
@@ -505,9 +508,35 @@ class HostSampler:
                 out[int(name[3:])] = (sum(v) - idle, sum(v), v[7] if len(v) > 7 else 0)
         return out
 
+    @staticmethod
+    def _open_nvml():
+        """NVML and the handle of the first visible GPU, or None (no GPU, no NVML)."""
+        try:
+            try:
+                from vllm.third_party import pynvml
+            except ImportError:
+                import pynvml
+
+            pynvml.nvmlInit()
+            first = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+            index = int(first) if first.isdigit() else 0
+            return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception:  # noqa: BLE001 - a diagnostic: no GPU readings
+            return None
+
+    def _read_gpu(self):
+        nvml, handle = self.nvml
+        util = nvml.nvmlDeviceGetUtilizationRates(handle).gpu  # % of the last period a kernel ran
+        sm_mhz = nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)
+        watts = nvml.nvmlDeviceGetPowerUsage(handle) / 1e3
+        reasons = nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+        self.gpu_samples.append((util, sm_mhz, watts, reasons))
+
     def _tick(self):
         t0 = time.perf_counter()
         self._read_threads()
+        if self.nvml:
+            self._read_gpu()
         self.ticks, self.tick_s = self.ticks + 1, self.tick_s + time.perf_counter() - t0
 
     def _read_threads(self):
@@ -535,6 +564,7 @@ class HostSampler:
         if not self.available:
             return self
         self.pids = self._tree()
+        self.nvml = self._open_nvml()
         self.busy0, self.t0 = self._cpu_busy(), time.perf_counter()
         self._stop = threading.Event()
 
@@ -603,11 +633,23 @@ class HostSampler:
             khz = self._read(f"/sys/devices/system/cpu/cpu{c}/cpufreq/scaling_cur_freq")
             if khz and khz.strip().isdigit():
                 mhz[c] = int(khz) // 1000
-        return {"available": True, "wall_s": round(wall, 3), "threads": rows,
+        return {"available": True, "wall_s": round(wall, 3), "threads": rows, "gpu": self._gpu_summary(),
                 "siblings": siblings, "numa": numa, "mhz": mhz, "busy_cpus": busy, "steal_cpus": steal,
                 "steal": round(stolen / total, 4) if total else 0.0,
                 "allowed_cpus": len(os.sched_getaffinity(0)), "errors": self.errors[:3],
                 "samples": self.ticks, "sampler_ms_per_sample": round(1e3 * self.tick_s / max(1, self.ticks), 3)}  # fmt: skip
+
+    def _gpu_summary(self) -> dict | None:
+        """Mean busy share and power, the SM clock's range, and every clock-limit reason NVML
+        named (a bit mask: 0x4 power cap, 0x20/0x40 thermal, 0x1 idle) over the samples."""
+        if not self.gpu_samples:
+            return None
+        util, mhz, watts, reasons = zip(*self.gpu_samples)
+        any_reason = 0
+        for r in reasons:
+            any_reason |= r
+        return {"busy": round(statistics.mean(util) / 100, 3), "sm_mhz": [min(mhz), max(mhz)],
+                "watts": round(statistics.mean(watts), 1), "clock_reasons": hex(any_reason)}  # fmt: skip
 
 
 def gpu_numa_node() -> int | None:
@@ -628,7 +670,8 @@ def host_line(summary: dict) -> str:
     """One line of a HostSampler summary: each busy thread (frontend process or a child: the
     engine core), its share of the wall time, the CPUs it was seen on (most often first), their
     hyperthread sibling groups and clock where readable, then the machine's busy CPUs, the
-    share of all CPU time the hypervisor gave to others (steal), and the sampler's own cost."""
+    share of all CPU time the hypervisor gave to others (steal), the GPU's readings where
+    sampled, and the sampler's own cost."""
     if not summary.get("available"):
         return "host: not sampled"
     parts = []
@@ -649,7 +692,26 @@ def host_line(summary: dict) -> str:
         if "samples" in summary
         else ""
     )
-    return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}; steal {steal:.1%}{cost}"
+    gpu = summary.get("gpu")
+    gpu = (
+        f"; GPU busy {gpu['busy']:.0%}, SM {gpu['sm_mhz'][0]}-{gpu['sm_mhz'][1]} MHz, "
+        f"{gpu['watts']} W, clock reasons {gpu['clock_reasons']}"
+        if gpu
+        else ""
+    )
+    return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}; steal {steal:.1%}{gpu}{cost}"
+
+
+def decode_ms_per_step(row: dict) -> float | None:
+    """Wall time per step after the last request's first token: the generate call's wall time less
+    its prefill, over the timed steps. At concurrency 1 the prompt's prefill is a tenth of a short
+    measurement's wall time and varies by tens of ms between repeats; this leaves it out. Rows
+    stored before ``ttft_ms_max`` existed give it at concurrency 1, where the mean is the max."""
+    ttft = row.get("ttft_ms_max", row.get("ttft_ms") if row.get("concurrency") == 1 else None)
+    steps = row.get("timed_steps")
+    if ttft is None or not steps or row.get("wall_s") is None:
+        return None
+    return (row["wall_s"] * 1e3 - ttft) / steps
 
 
 def median_repeat(rows: list[dict]) -> dict:
@@ -661,6 +723,7 @@ def median_repeat(rows: list[dict]) -> dict:
     row["output_tok_s_all"] = [r.get("output_tok_s") for r in rows]
     row["tpot_ms_all"] = [r.get("tpot_ms") for r in rows]
     row["draft_ms_per_step_all"] = [r.get("draft_ms_per_step") for r in rows]
+    row["decode_ms_per_step_all"] = [decode_ms_per_step(r) for r in rows]
     return row
 
 
@@ -757,6 +820,7 @@ def child_main(spec_file: str) -> int:
                 "tpot_ms": statistics.mean(tpots) * 1e3 if tpots else None,
                 "tpot_source": "vLLM request stats" if tpots else "not available",
                 "ttft_ms": statistics.mean(ttfts) * 1e3 if ttfts else None,
+                "ttft_ms_max": max(ttfts) * 1e3 if ttfts else None,
                 "mean_acceptance_length": counters.mean_acceptance_length,
                 "per_position_acceptance": counters.per_position_acceptance,
                 "num_drafts": counters.num_drafts,
@@ -773,6 +837,7 @@ def child_main(spec_file: str) -> int:
             print(f"[{spec['name']}] concurrency {conc}: {row['output_tok_s']:.1f} tok/s, "
                   f"TPOT {row['tpot_ms']} ms, acceptance {row['mean_acceptance_length']}, "
                   f"draft {row.get('draft_ms_per_step')} ms/step, wall {row.get('wall_ms_per_step')} "
+                  f"(decode {decode_ms_per_step(row)}) "
                   f"ms/step; {host_line(row['host'])}", flush=True)  # fmt: skip
             save()
         result["status"] = "ok"
@@ -922,7 +987,7 @@ def markdown(results: dict) -> str:
     for k, v in results["setup"].items():
         lines.append(f"- {k}: {v}")
     lines += ["", "| run | method | plugin | gamma | conc | output tok/s | x plain | TPOT ms | TTFT ms "
-              "| acceptance (measured / expected) | draft ms/step (Markov walk) | wall ms/step | startup s "
+              "| acceptance (measured / expected) | draft ms/step (Markov walk) | wall ms/step (decode) | startup s "
               "| status |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     plain = {}
@@ -960,17 +1025,21 @@ def markdown(results: dict) -> str:
                 if draft is None
                 else f"{draft:.3f}" + ("" if markov is None else f" ({markov:.3f})")
             )
-            wall_step = c.get("wall_ms_per_step")
+            wall_step, decode = c.get("wall_ms_per_step"), decode_ms_per_step(c)
+            wall_s = "" if wall_step is None else f"{wall_step:.2f}"
+            wall_s += "" if decode is None else f" ({decode:.2f})"
             lines.append(
                 f"| {label(r)} | {r.get('method')} | {r.get('plugin')} | {r.get('gamma')} | {c['concurrency']} | "
                 f"{tps_s} | {speed} | {tpot:.2f} | {'' if ttft is None else f'{ttft:.1f}'} | {acc_s} | "
-                f"{draft_s} | {'' if wall_step is None else f'{wall_step:.2f}'} | "
+                f"{draft_s} | {wall_s} | "
                 f"{r.get('startup_s', '')} | {r.get('status')} |"
             )
     lines += ["", "Draft ms/step: GPU time of the drafter call per engine step (CUDA events around vLLM's "
               "DFlashSpeculator.propose on the V2 runner, GPUModelRunner.propose_draft_token_ids on V1), in "
               "brackets the DSpark Markov walk (DSparkSpeculator._sample_sequential) when it runs outside a "
-              "CUDA graph. Wall ms/step: the generate call's wall time over the timed steps.",
+              "CUDA graph. Wall ms/step: the generate call's wall time over the timed steps; in brackets "
+              "the same after the last first token (prefill left out). Engines differ more than the "
+              "arms often do: compare arms on decode ms/step, paired within a round (`--engines`).",
               "TPOT: mean over requests of (last - first token time) / (tokens - 1), vLLM request stats."]  # fmt: skip
     placed = [(r, c) for r in results["runs"] for c in r.get("concurrency") or [] if c.get("host")]
     if placed:

@@ -73,6 +73,18 @@ def test_draft_step_timer_per_step():
     assert none["draft_ms_per_step"] is None and none["wall_ms_per_step"] is None
 
 
+def test_decode_time_per_step_leaves_the_prefill_out():
+    """The last first token's time comes off the wall time; rows without ``ttft_ms_max`` use the
+    mean at concurrency 1 only (one request: mean = max), and nothing is guessed elsewhere."""
+    row = {"concurrency": 16, "wall_s": 0.5, "ttft_ms": 20.0, "ttft_ms_max": 50.0}
+    assert gl.decode_ms_per_step({**row, "timed_steps": 90}) == 5.0
+    assert gl.decode_ms_per_step({**row, "timed_steps": 0}) is None
+    old = {"concurrency": 1, "wall_s": 0.5, "ttft_ms": 50.0, "timed_steps": 90}
+    assert gl.decode_ms_per_step(old) == 5.0
+    assert gl.decode_ms_per_step({**old, "concurrency": 16}) is None
+    assert gl.median_repeat([old])["decode_ms_per_step_all"] == [5.0]
+
+
 def test_median_repeat_reports_the_middle_run_and_the_spread():
     rows = [
         {"output_tok_s": v, "tpot_ms": t, "draft_ms_per_step": d}
@@ -190,3 +202,21 @@ def test_host_line_reads_a_summary_before_and_after_json():
     assert gl.host_line(summary) == want
     assert gl.host_line(json.loads(json.dumps(summary))) == want
     assert gl.host_line({"available": False}) == "host: not sampled"
+    summary["gpu"] = {"busy": 0.812, "sm_mhz": [1755, 1980], "watts": 402.5, "clock_reasons": "0x4"}
+    assert gl.host_line(summary) == want + (
+        "; GPU busy 81%, SM 1755-1980 MHz, 402.5 W, clock reasons 0x4"
+    )
+
+
+def test_host_sampler_summarises_gpu_readings():
+    """The GPU summary: mean busy share and power, the SM clock's range, every reason OR-ed;
+    no readings (no GPU, no NVML) gives None, and the host line stays as it was."""
+    sampler = gl.HostSampler()
+    assert sampler._gpu_summary() is None
+    sampler.gpu_samples = [(100, 1980, 400.0, 0x0), (60, 1755, 500.0, 0x4), (80, 1830, 450.0, 0x1)]
+    assert sampler._gpu_summary() == {
+        "busy": 0.8,
+        "sm_mhz": [1755, 1980],
+        "watts": 450.0,
+        "clock_reasons": "0x5",
+    }
