@@ -653,8 +653,9 @@ class HostSampler:
 
 
 def gpu_numa_node() -> int | None:
-    """The NUMA node the GPU in use is attached to (sysfs of its PCI address; None where unknown):
-    an engine whose threads run on another node's CPUs crosses the socket on every launch."""
+    """The NUMA node the GPU in use is attached to (sysfs of its PCI address; None where unknown: the
+    device reports no node, -1, as many one-node machines do, or nothing is readable): an engine whose threads run on another
+    node's CPUs crosses the socket on every launch."""
     try:
         import torch
 
@@ -1045,8 +1046,9 @@ def markdown(results: dict) -> str:
     if placed:
         lines += ["", "Where the busiest threads ran (median repeat; `benchmarks/gpu_lightning.py` HostSampler):", ""]  # fmt: skip
         lines += [
-            f"- {label(r)}, concurrency {c['concurrency']} (GPU on NUMA node "
-            f"{r.get('gpu_numa_node')}): {host_line(c['host'])}"
+            f"- {label(r)}, concurrency {c['concurrency']} (GPU's NUMA node: "
+            f"{'not reported' if r.get('gpu_numa_node') is None else r['gpu_numa_node']}): "
+            f"{host_line(c['host'])}"
             for r, c in placed
         ]
     return "\n".join(lines) + "\n"
