@@ -78,6 +78,7 @@ Writes results.json, results.md, logs/<run>.log and runs/<run>.json to --out (sm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -473,6 +474,7 @@ class HostSampler:
         self.errors: list[str] = []
         self.ticks, self.tick_s = 0, 0.0  # the sampler's own cost, reported with its findings
         self.gpu_samples: list[tuple[int, int, float, int]] = []  # busy %, SM MHz, W, reasons
+        self.pids = [self.root]
 
     @staticmethod
     def _read(path: str) -> str | None:
@@ -507,6 +509,15 @@ class HostSampler:
                 idle = v[3] + (v[4] if len(v) > 4 else 0)
                 out[int(name[3:])] = (sum(v) - idle, sum(v), v[7] if len(v) > 7 else 0)
         return out
+
+    def engine_core_pid(self) -> int:
+        """The engine-core process among those found at start (vLLM names it VLLM::EngineCore), or
+        this process where the engine runs in-process."""
+        for pid in self.pids[1:]:
+            text = self._read(f"/proc/{pid}/stat")
+            if text and parse_task_stat(text)["comm"].startswith("VLLM::EngineCor"):
+                return pid
+        return self.root
 
     @staticmethod
     def _open_nvml():
@@ -703,6 +714,101 @@ def host_line(summary: dict) -> str:
     return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}; steal {steal:.1%}{gpu}{cost}"
 
 
+class HostProfile:
+    """py-spy sampling the engine core's Python threads during one measurement (``--py-spy``):
+    which functions the engine core's main thread is in while a step runs, e.g. waiting on the
+    GPU (``synchronize``) or preparing the next step's inputs. ``--nonblocking``: the engine is
+    never paused. Its raw output is kept beside the run's JSON."""
+
+    RATE_HZ = 250
+
+    def __init__(self, py_spy: str, pid: int, output: Path):
+        self.cmd = [py_spy, "record", "--pid", str(pid), "--rate", str(self.RATE_HZ), "--format",
+                    "raw", "--threads", "--nonblocking", "--output", str(output)]  # fmt: skip
+        self.output, self.summary = output, None
+
+    def __enter__(self) -> "HostProfile":
+        import select
+        import signal
+
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # it prints "Sampling process ..." once attached; a failed attach exits with the reason
+        ready, _, _ = select.select([self.proc.stdout], [], [], 20.0)
+        first = self.proc.stdout.readline().decode(errors="replace") if ready else ""
+        if "Sampling" not in first:
+            self.proc.send_signal(signal.SIGINT)
+            rest = self.proc.communicate(timeout=30)[0].decode(errors="replace")
+            self.summary = {"error": (first + rest).strip()[:300] or "py-spy did not start"}
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        wall = time.perf_counter() - self.t0
+        if self.summary is None:
+            self.proc.send_signal(signal.SIGINT)  # py-spy writes its file on Ctrl-C
+            self.proc.communicate(timeout=60)
+            text = self.output.read_text() if self.output.is_file() else ""
+            self.summary = py_spy_summary(text, wall, self.RATE_HZ)
+
+
+def py_spy_summary(text: str, wall_s: float, rate_hz: float, top: int = 8) -> dict:
+    """From py-spy's raw ``--threads`` output (``thread (tid): name;frame;...;leaf count``, one
+    line per distinct stack, idle samples left out): each thread's busy share of the wall time,
+    and for the busiest thread the functions it was in, innermost (where the time went) and
+    inclusive (which step phase). Shares are of the samples the wall time allows."""
+    expected = max(1.0, wall_s * rate_hz)
+    threads: dict[str, float] = {}
+    stacks: dict[str, list[tuple[list[str], int]]] = {}
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        head, *frames = stack.split(";")
+        name = head.partition(": ")[2] or head
+        threads[name] = threads.get(name, 0) + int(count)
+        # "function (file:line)" -> "function (file)": lines of one function add up
+        frames = [f.rpartition(":")[0] + ")" if f.endswith(")") and ":" in f else f for f in frames]
+        stacks.setdefault(name, []).append((frames, int(count)))
+    if not threads:
+        return {"wall_s": round(wall_s, 3), "rate_hz": rate_hz, "threads": {}}
+    busiest = max(threads, key=threads.get)
+    leaves: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    for frames, n in stacks[busiest]:
+        if frames:
+            leaves[frames[-1]] = leaves.get(frames[-1], 0) + n
+        for f in dict.fromkeys(frames):  # a recursive frame counts once per sample
+            inclusive[f] = inclusive.get(f, 0) + n
+
+    def ranked(counts):
+        return [[f, round(n / expected, 3)] for f, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]  # fmt: skip
+
+    return {
+        "wall_s": round(wall_s, 3),
+        "rate_hz": rate_hz,
+        "threads": {k: round(v / expected, 3) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
+        "busiest": busiest,
+        "leaves": ranked(leaves),
+        "inclusive": ranked(inclusive),
+    }  # fmt: skip
+
+
+def profile_line(summary: dict) -> str:
+    """One line of a py-spy summary for results.md."""
+    if summary.get("error"):
+        return f"py-spy: {summary['error']}"
+    if not summary.get("threads"):
+        return "py-spy: no samples"
+    busy = ", ".join(f"{k} {v:.0%}" for k, v in list(summary["threads"].items())[:3])
+    leaves = ", ".join(f"{f} {v:.0%}" for f, v in summary["leaves"])
+    return (
+        f"py-spy ({summary['wall_s']} s at {summary['rate_hz']:.0f} Hz): busy {busy}; "
+        f"{summary['busiest']} innermost: {leaves}"
+    )
+
+
 def decode_ms_per_step(row: dict) -> float | None:
     """Wall time per step after the last request's first token: the generate call's wall time less
     its prefill, over the timed steps. At concurrency 1 the prompt's prefill is a tenth of a short
@@ -795,10 +901,15 @@ def child_main(spec_file: str) -> int:
         )
         result["warmup_s"] = round(time.perf_counter() - t0, 1)
 
-        def measure(conc: int) -> dict:
+        def measure(conc: int, profile: Path | None = None) -> dict:
             before = read_spec_counters(llm)
             timed_before = timer.snapshot() if timer else None
-            with HostSampler() as host:
+            with contextlib.ExitStack() as stack:
+                host = stack.enter_context(HostSampler())
+                if profile:
+                    prof = stack.enter_context(
+                        HostProfile(spec["py_spy"], host.engine_core_pid(), profile)
+                    )
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts(conc, conc), params(out_len), use_tqdm=False)
                 wall = time.perf_counter() - t0
@@ -830,16 +941,30 @@ def child_main(spec_file: str) -> int:
             }  # fmt: skip
             if not tpots:  # wall-clock estimate: whole batch decodes together
                 row["tpot_ms_wall_estimate"] = wall / max(1, out_len - 1) * 1e3
+            if profile:
+                row["py_spy"] = prof.summary
             return row
 
         for conc in spec["concurrency"]:
-            row = median_repeat([measure(conc) for _ in range(spec.get("repeats", 1))])
+            # py-spy samples the first repeat only: the others stay unobserved, for the timings
+            profile = out_file.with_suffix(f".c{conc}.pyspy.txt") if spec.get("py_spy") else None
+            rows = [
+                measure(conc, profile if i == 0 else None) for i in range(spec.get("repeats", 1))
+            ]
+            row = median_repeat(rows)
+            if profile:
+                row["py_spy"] = rows[0]["py_spy"]
             result["concurrency"].append(row)
             print(f"[{spec['name']}] concurrency {conc}: {row['output_tok_s']:.1f} tok/s, "
                   f"TPOT {row['tpot_ms']} ms, acceptance {row['mean_acceptance_length']}, "
                   f"draft {row.get('draft_ms_per_step')} ms/step, wall {row.get('wall_ms_per_step')} "
                   f"(decode {decode_ms_per_step(row)}) "
                   f"ms/step; {host_line(row['host'])}", flush=True)  # fmt: skip
+            if row.get("py_spy"):
+                print(
+                    f"[{spec['name']}] concurrency {conc}: {profile_line(row['py_spy'])}",
+                    flush=True,
+                )
             save()
         result["status"] = "ok"
         save()
@@ -1049,6 +1174,7 @@ def markdown(results: dict) -> str:
             f"- {label(r)}, concurrency {c['concurrency']} (GPU's NUMA node: "
             f"{'not reported' if r.get('gpu_numa_node') is None else r['gpu_numa_node']}): "
             f"{host_line(c['host'])}"
+            + (f"; {profile_line(c['py_spy'])}" if c.get("py_spy") else "")
             for r, c in placed
         ]
     return "\n".join(lines) + "\n"
@@ -1102,7 +1228,7 @@ def parent_main(args) -> int:
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(markdown(results))
 
-    longest = 0.0
+    longest, took_by_kind = 0.0, {}
     for spec, round_ in selected:
         key = run_key(spec.name, round_, args.engines)
         result_file = out / "runs" / f"{key}.json"
@@ -1121,7 +1247,8 @@ def parent_main(args) -> int:
             )
         fingerprint = {"smoke": args.smoke, "depth": args.depth, "dtype": args.dtype, "eager": args.eager,
                        "input_len": args.input_len, "output_len": args.output_len,
-                       "concurrency": args.concurrency, "repeats": args.repeats, "run": entry}  # fmt: skip
+                       "concurrency": args.concurrency, "repeats": args.repeats, "run": entry,
+                       "py_spy": bool(args.py_spy)}  # fmt: skip
         previous = json.loads(result_file.read_text()) if result_file.is_file() else None
         if (
             previous
@@ -1140,7 +1267,10 @@ def parent_main(args) -> int:
             continue
         elapsed = time.time() - t_start
         remaining = args.budget_s - elapsed
-        need = max(args.min_run_s, 0.8 * longest)
+        # an engine of the same draft and code path as one already run starts from warm compile
+        # caches: that one's time counts; the first of its kind may compile for minutes
+        kind = (spec.method, spec.gamma, spec.plugin)
+        need = max(args.min_run_s, 0.8 * took_by_kind.get(kind, longest))
         if remaining < need:
             print(
                 f"[{elapsed:6.0f}s] {key}: skipped (budget: {remaining:.0f} s left, a run takes ~{need:.0f} s)"
@@ -1153,7 +1283,7 @@ def parent_main(args) -> int:
             "engine": engine_kwargs(args, models["target"], spec), "vocab": target_cfg["vocab_size"],
             "input_len": args.input_len, "output_len": args.output_len,
             "concurrency": args.concurrency, "warmup_tokens": 8, "fingerprint": fingerprint,
-            "repeats": args.repeats,
+            "repeats": args.repeats, "py_spy": args.py_spy,
         }  # fmt: skip
         if spec.method:
             child_spec["speculative"] = speculative_config(spec, models, args.smoke)
@@ -1169,7 +1299,7 @@ def parent_main(args) -> int:
         t0 = time.time()
         rc = run_child(Path(__file__), spec_file, run_env(spec), log, timeout)
         took = time.time() - t0
-        longest = max(longest, took)
+        longest, took_by_kind[kind] = max(longest, took), took
         child = (
             json.loads(result_file.read_text())
             if result_file.is_file()
@@ -1242,6 +1372,16 @@ def main(argv=None) -> int:
         help="measure each concurrency this many times in the same engine; the median "
         "run is reported, every run's tok/s and TPOT alongside (default 3)",
     )
+    p.add_argument(
+        "--py-spy",
+        nargs="?",
+        const="py-spy",
+        default=None,
+        metavar="PATH",
+        help="sample the engine core's Python threads with py-spy during the first repeat of each "
+        "concurrency (raw stacks in runs/, where the main thread spent its time in results.md); "
+        "py-spy must be installed (PATH: its executable, default the one on $PATH)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument(
@@ -1262,6 +1402,13 @@ def main(argv=None) -> int:
         return child_main(args.child)
     if not args.out:
         p.error("--out is required")
+    if args.py_spy:
+        import shutil
+
+        found = shutil.which(args.py_spy)
+        if not found:
+            p.error(f"--py-spy: no executable {args.py_spy!r} (pip install py-spy)")
+        args.py_spy = found
     if args.smoke:
         args.budget_s = max(args.budget_s, 3600.0)
     return parent_main(args)

@@ -220,3 +220,79 @@ def test_host_sampler_summarises_gpu_readings():
         "watts": 450.0,
         "clock_reasons": "0x5",
     }
+
+
+PY_SPY_RAW = (
+    "thread (11): MainThread;run_engine_core (core.py:900);run_busy_loop (core.py:950);"
+    "step (core.py:400);execute_model (model_runner.py:100) 30\n"
+    "thread (11): MainThread;run_engine_core (core.py:900);run_busy_loop (core.py:950);"
+    "step (core.py:410);get_output (model_runner.py:220);synchronize (streams.py:227) 60\n"
+    "thread (11): MainThread;run_engine_core (core.py:900);run_busy_loop (core.py:950);"
+    "step (core.py:405);execute_model (model_runner.py:130) 10\n"
+    "thread (12): Thread-2 (process_output);get (queue.py:171);wait (threading.py:327) 5\n"
+)
+
+
+def test_py_spy_summary_ranks_the_busiest_threads_functions():
+    """Shares are of the samples the wall time allows (0.5 s at 250 Hz = 125); one function's
+    lines add up; the innermost and the inclusive ranking are of the busiest thread only."""
+    got = gl.py_spy_summary(PY_SPY_RAW, wall_s=0.5, rate_hz=250)
+    assert got["threads"] == {"MainThread": 0.8, "Thread-2 (process_output)": 0.04}
+    assert got["busiest"] == "MainThread"
+    assert got["leaves"] == [["synchronize (streams.py)", 0.48], ["execute_model (model_runner.py)", 0.32]]  # fmt: skip
+    inclusive = dict(got["inclusive"])
+    assert inclusive["step (core.py)"] == 0.8 and inclusive["get_output (model_runner.py)"] == 0.48
+    assert "wait (threading.py)" not in inclusive
+    line = gl.profile_line(got)
+    assert line.startswith(
+        "py-spy (0.5 s at 250 Hz): busy MainThread 80%, Thread-2 (process_output) 4%;"
+    )
+    assert line.endswith(
+        "innermost: synchronize (streams.py) 48%, execute_model (model_runner.py) 32%"
+    )
+    assert gl.profile_line(gl.py_spy_summary("", 0.5, 250)) == "py-spy: no samples"
+
+
+FAKE_PY_SPY = """import signal, sys, time
+args = sys.argv[1:]
+out = args[args.index("--output") + 1]
+if "FAIL" in out:
+    print("Error: Failed to find python version from target process", flush=True)
+    sys.exit(1)
+print("py-spy> Sampling process 250 times a second. Press Control-C to exit.", flush=True)
+def stop(*_):
+    open(out, "w").write(open(sys.argv[0] + ".raw").read())
+    sys.exit(0)
+signal.signal(signal.SIGINT, stop)
+time.sleep(60)
+"""
+
+
+def test_host_profile_stops_py_spy_and_reads_its_stacks(tmp_path):
+    """The protocol py-spy follows (a line once attached, its file written on Ctrl-C, an error
+    line and exit 1 when it cannot attach), played by a stand-in script."""
+    fake = tmp_path / "py-spy"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_PY_SPY}")
+    fake.chmod(0o755)
+    (tmp_path / "py-spy.raw").write_text(PY_SPY_RAW)
+    with gl.HostProfile(str(fake), os.getpid(), tmp_path / "run.pyspy.txt") as prof:
+        time.sleep(0.1)
+    assert prof.summary["busiest"] == "MainThread", prof.summary
+    assert prof.summary["leaves"][0][0] == "synchronize (streams.py)"
+    with gl.HostProfile(str(fake), os.getpid(), tmp_path / "FAIL.txt") as prof:
+        pass
+    assert "Failed to find python version" in prof.summary["error"]
+    assert gl.profile_line(prof.summary).startswith("py-spy: Error: Failed to find python version")
+
+
+def test_engine_core_pid_is_this_process_when_the_engine_runs_in_process():
+    with gl.HostSampler() as host:
+        pass
+    assert host.engine_core_pid() == os.getpid()
+
+
+def test_py_spy_option_refuses_a_missing_executable(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gl.main(["--out", str(tmp_path), "--py-spy", str(tmp_path / "no-such-py-spy")])
+    assert exc.value.code == 2
+    assert "--py-spy: no executable" in capsys.readouterr().err
