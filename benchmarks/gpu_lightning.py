@@ -445,6 +445,19 @@ class DraftStepTimer:
         }
 
 
+def cpu_probe_ms(reps: int = 5, n: int = 100_000) -> float:
+    """The median time of a fixed pure-Python loop, in ms: the host's single-thread speed now
+    (a VM hides its clock; turbo and power limits still move it), beside steps that may be
+    bound by the engine core's Python."""
+    times = []
+    for _ in range(reps):
+        t0, x = time.perf_counter(), 0
+        for i in range(n):
+            x += i
+        times.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(times), 3)
+
+
 def parse_task_stat(text: str) -> dict:
     """The fields of a /proc/<pid>[/task/<tid>]/stat line the host sampler reads: the command name
     (in parentheses, may hold spaces), parent pid, CPU time in clock ticks, and the CPU it last ran
@@ -576,6 +589,7 @@ class HostSampler:
             return self
         self.pids = self._tree()
         self.nvml = self._open_nvml()
+        self.probe_ms = [cpu_probe_ms()]  # before and after the measurement, outside its timing
         self.busy0, self.t0 = self._cpu_busy(), time.perf_counter()
         self._stop = threading.Event()
 
@@ -597,6 +611,7 @@ class HostSampler:
             self._thread.join()
             self._tick()
             self.busy1, self.t1 = self._cpu_busy(), time.perf_counter()
+            self.probe_ms.append(cpu_probe_ms())
 
     def summary(self, top: int = 4) -> dict:
         """The ``top`` busiest threads (CPU seconds, share of the wall time, the CPUs they were
@@ -648,7 +663,7 @@ class HostSampler:
                 "siblings": siblings, "numa": numa, "mhz": mhz, "busy_cpus": busy, "steal_cpus": steal,
                 "steal": round(stolen / total, 4) if total else 0.0,
                 "allowed_cpus": len(os.sched_getaffinity(0)), "errors": self.errors[:3],
-                "samples": self.ticks, "sampler_ms_per_sample": round(1e3 * self.tick_s / max(1, self.ticks), 3)}  # fmt: skip
+                "cpu_probe_ms": self.probe_ms, "samples": self.ticks, "sampler_ms_per_sample": round(1e3 * self.tick_s / max(1, self.ticks), 3)}  # fmt: skip
 
     def _gpu_summary(self) -> dict | None:
         """Mean busy share and power, the SM clock's range, and every clock-limit reason NVML
@@ -682,8 +697,8 @@ def host_line(summary: dict) -> str:
     """One line of a HostSampler summary: each busy thread (frontend process or a child: the
     engine core), its share of the wall time, the CPUs it was seen on (most often first), their
     hyperthread sibling groups and clock where readable, then the machine's busy CPUs, the
-    share of all CPU time the hypervisor gave to others (steal), the GPU's readings where
-    sampled, and the sampler's own cost."""
+    share of all CPU time the hypervisor gave to others (steal), the CPU probe before and after
+    (``cpu_probe_ms``), the GPU's readings where sampled, and the sampler's own cost."""
     if not summary.get("available"):
         return "host: not sampled"
     parts = []
@@ -711,7 +726,13 @@ def host_line(summary: dict) -> str:
         if gpu
         else ""
     )
-    return "host: " + "; ".join(parts) + f"; busy CPUs {busy or '-'}; steal {steal:.1%}{gpu}{cost}"
+    probe = summary.get("cpu_probe_ms")
+    probe = f"; CPU probe {'/'.join(f'{x:.2f}' for x in probe)} ms" if probe else ""
+    return (
+        "host: "
+        + "; ".join(parts)
+        + f"; busy CPUs {busy or '-'}; steal {steal:.1%}{probe}{gpu}{cost}"
+    )
 
 
 class HostProfile:

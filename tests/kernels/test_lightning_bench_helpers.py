@@ -177,6 +177,7 @@ def test_host_sampler_finds_a_busy_child_and_where_it_ran():
     assert 0.0 <= summary["steal"] <= 1.0
     assert summary["samples"] >= 2, summary  # the sampler's own cost is recorded
     assert summary["sampler_ms_per_sample"] > 0, summary
+    assert len(summary["cpu_probe_ms"]) == 2 and min(summary["cpu_probe_ms"]) > 0, summary
     line = gl.host_line(summary)
     assert line.startswith("host: child python") and f"/{child.pid} " in line, line
     assert line.endswith(f"; {summary['samples']} samples of {summary['sampler_ms_per_sample']} ms")
@@ -205,6 +206,10 @@ def test_host_line_reads_a_summary_before_and_after_json():
     summary["gpu"] = {"busy": 0.812, "sm_mhz": [1755, 1980], "watts": 402.5, "clock_reasons": "0x4"}
     assert gl.host_line(summary) == want + (
         "; GPU busy 81%, SM 1755-1980 MHz, 402.5 W, clock reasons 0x4"
+    )
+    summary["cpu_probe_ms"] = [3.1, 3.456]
+    assert gl.host_line(summary) == want + (
+        "; CPU probe 3.10/3.46 ms; GPU busy 81%, SM 1755-1980 MHz, 402.5 W, clock reasons 0x4"
     )
 
 
