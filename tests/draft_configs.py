@@ -247,7 +247,15 @@ def mutated(cfg: dict, **changes) -> dict:
     return out
 
 
-DELETE = object()
+class _Delete:
+    """The marker for a key to remove; its repr is stable, so test ids built from it are the same
+    in every process (parallel test workers compare their collections)."""
+
+    def __repr__(self) -> str:
+        return "DELETE"
+
+
+DELETE = _Delete()
 
 
 # --------------------------------------------------------------------------------------------
