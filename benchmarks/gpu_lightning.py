@@ -487,7 +487,7 @@ class HostSampler:
         self.errors: list[str] = []
         self.ticks, self.tick_s = 0, 0.0  # the sampler's own cost, reported with its findings
         self.gpu_samples: list[tuple[int, int, float, int]] = []  # busy %, SM MHz, W, reasons
-        self.pids = [self.root]
+        self.pids, self.nvml = [self.root], None
 
     @staticmethod
     def _read(path: str) -> str | None:
@@ -612,6 +612,8 @@ class HostSampler:
             self._tick()
             self.busy1, self.t1 = self._cpu_busy(), time.perf_counter()
             self.probe_ms.append(cpu_probe_ms())
+            if self.nvml:
+                self.nvml[0].nvmlShutdown()  # init and shutdown pair up (NVML counts them)
 
     def summary(self, top: int = 4) -> dict:
         """The ``top`` busiest threads (CPU seconds, share of the wall time, the CPUs they were
@@ -679,9 +681,9 @@ class HostSampler:
 
 
 def gpu_numa_node() -> int | None:
-    """The NUMA node the GPU in use is attached to (sysfs of its PCI address; None where unknown: the
-    device reports no node, -1, as many one-node machines do, or nothing is readable): an engine whose threads run on another
-    node's CPUs crosses the socket on every launch."""
+    """The NUMA node the GPU in use is attached to (sysfs of its PCI address), None where unknown:
+    the device reports no node (-1, as on many one-node machines) or nothing is readable. An
+    engine whose threads run on another node's CPUs crosses the socket on every launch."""
     try:
         import torch
 
