@@ -1,7 +1,8 @@
 """Helpers shared by the benchmarks (gpu_recipe_check.py, gpu_multiturn.py, gpu_lightning.py,
 gpu_draft_breakdown.py): how a real ``vllm serve`` is launched on 127.0.0.1, the published serving
 recipe's flags and what this machine's vLLM supports of them, /metrics snapshots (prefix-cache and
-spec-decode counters), the log lines naming backends and kernels, and the results files they write.
+spec-decode counters), the log lines naming backends and kernels, the results files they write, and
+(gpu_lightning.py, gpu_draft_breakdown.py) whether another engine fits in the time budget.
 
 The server side reuses ``vllm_nemotron_spec.bench`` (``server``: Server, readiness; ``client``: HTTP); the launcher is
 chosen here: vLLM's own CLI module on CUDA (the GPU bundle has no console scripts), the package's
@@ -40,6 +41,39 @@ FLASHINFER_MAMBA_FLAGS = ("--mamba-backend", "flashinfer")
 RECIPE_FLAGS = PREFIX_FLAGS + FP8_KV_FLAGS
 """The published Nemotron 3.5 Lightning recipe's cache flags (vLLM recipes, NVIDIA Dynamo); the
 recipe adds ``--mamba-backend flashinfer`` (see :func:`detect_features`)."""
+
+
+class RunBudget:
+    """Whether one more engine fits in a script's time budget (``--budget-s``). The first engine
+    of a kind (one draft and code path) may JIT-compile and compile for minutes on a fresh
+    machine; a later one starts from warm caches. So a kind already run is judged by its last
+    measuring time plus the quickest start seen (at most ``warm_start_s``), a new kind by the
+    longest run so far: the first engine's compile does not make later ones look as long."""
+
+    def __init__(
+        self, budget_s: float, min_run_s: float, started: float, warm_start_s: float = 60.0
+    ):
+        self.t0, self.budget_s, self.min_run_s = started, budget_s, min_run_s  # time.time()
+        self.warm_start_s, self.longest = warm_start_s, 0.0
+        self.measuring: dict = {}  # kind -> seconds of its last run after the engine was up
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def remaining(self) -> float:
+        return self.budget_s - self.elapsed()
+
+    def need(self, kind) -> float:
+        if kind in self.measuring:
+            return max(self.min_run_s, 0.8 * (self.measuring[kind] + self.warm_start_s))
+        return max(self.min_run_s, 0.8 * self.longest)
+
+    def record(self, kind, took_s: float, startup_s: float | None) -> None:
+        """A finished run: its whole time, and its engine's start-up time where it got that far."""
+        self.longest = max(self.longest, took_s)
+        if startup_s is not None:
+            self.warm_start_s = min(self.warm_start_s, startup_s)
+            self.measuring[kind] = max(0.0, took_s - startup_s)
 
 
 # ------------------------------------------------------------------------------------------

@@ -715,15 +715,15 @@ def parent_main(args) -> int:
         (out / "breakdown.json").write_text(json.dumps(results, indent=1))
         (out / "breakdown.md").write_text(markdown(results))
 
-    longest = 0.0
+    budget = _common.RunBudget(args.budget_s, args.min_run_s, started=t_start)
     for name in names:
         spec = by_name[name]
         rates, alpha, expected = gl.acceptance_rates(spec.method, spec.gamma)
         entry = {"name": name, "method": spec.method, "gamma": spec.gamma, "plugin": spec.plugin,
                  "synthetic_acceptance_rates": rates, "vocab": target_cfg["vocab_size"]}  # fmt: skip
-        elapsed = time.time() - t_start
-        remaining = args.budget_s - elapsed
-        need = max(args.min_run_s, 0.8 * longest)
+        elapsed, remaining = time.time() - t_start, budget.remaining()
+        kind = (spec.method, spec.gamma, spec.plugin)  # one draft and code path: shared caches
+        need = budget.need(kind)
         if spec.plugin and not have_plugin:
             results["runs"].append({**entry, "status": "error", "error": "plugin entry point "
                                     "'nemotron_spec' not installed: pip install --no-deps -e ."})  # fmt: skip
@@ -761,12 +761,12 @@ def parent_main(args) -> int:
         t0 = time.time()
         rc = gl.run_child(Path(__file__), spec_file, env, log, timeout)
         took = time.time() - t0
-        longest = max(longest, took)
         got = (
             json.loads(result_file.read_text())
             if result_file.is_file()
             else {"status": "no result"}
         )
+        budget.record(kind, took, got.get("startup_s"))
         if rc != 0 and got.get("status") == "ok":
             got["status"] = f"ok (exit {rc})"
         elif rc != 0 and got.get("status") != "error":

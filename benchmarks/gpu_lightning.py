@@ -1251,7 +1251,7 @@ def parent_main(args) -> int:
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(markdown(results))
 
-    longest, took_by_kind = 0.0, {}
+    budget = _common.RunBudget(args.budget_s, args.min_run_s, started=t_start)
     for spec, round_ in selected:
         key = run_key(spec.name, round_, args.engines)
         result_file = out / "runs" / f"{key}.json"
@@ -1288,12 +1288,9 @@ def parent_main(args) -> int:
                                     "'nemotron_spec' not installed: pip install --no-deps -e ."})  # fmt: skip
             save()
             continue
-        elapsed = time.time() - t_start
-        remaining = args.budget_s - elapsed
-        # an engine of the same draft and code path as one already run starts from warm compile
-        # caches: that one's time counts; the first of its kind may compile for minutes
-        kind = (spec.method, spec.gamma, spec.plugin)
-        need = max(args.min_run_s, 0.8 * took_by_kind.get(kind, longest))
+        elapsed, remaining = time.time() - t_start, budget.remaining()
+        kind = (spec.method, spec.gamma, spec.plugin)  # one draft and code path: shared caches
+        need = budget.need(kind)
         if remaining < need:
             print(
                 f"[{elapsed:6.0f}s] {key}: skipped (budget: {remaining:.0f} s left, a run takes ~{need:.0f} s)"
@@ -1322,12 +1319,12 @@ def parent_main(args) -> int:
         t0 = time.time()
         rc = run_child(Path(__file__), spec_file, run_env(spec), log, timeout)
         took = time.time() - t0
-        longest, took_by_kind[kind] = max(longest, took), took
         child = (
             json.loads(result_file.read_text())
             if result_file.is_file()
             else {"status": "no result"}
         )
+        budget.record(kind, took, child.get("startup_s"))
         if rc != 0 and child.get("status") == "ok":
             child["status"] = f"ok (exit {rc})"
         elif rc != 0 and child.get("status") != "error":

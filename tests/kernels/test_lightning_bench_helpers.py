@@ -301,3 +301,20 @@ def test_py_spy_option_refuses_a_missing_executable(tmp_path, capsys):
         gl.main(["--out", str(tmp_path), "--py-spy", str(tmp_path / "no-such-py-spy")])
     assert exc.value.code == 2
     assert "--py-spy: no executable" in capsys.readouterr().err
+
+
+def test_run_budget_judges_a_warm_engine_by_its_kind_not_by_the_first_compile():
+    """The session's first engine took 265 s, 250 of them starting (JIT, compile). Another engine
+    of its kind needs its 15 s of measuring plus a warm start (at most 60 s, less once one was
+    seen); a new kind is judged by the longest run; a run that never started counts only there."""
+    budget = gl._common.RunBudget(budget_s=500, min_run_s=45, started=time.time())
+    loop, upstream = ("dspark", 3, True), ("dspark", 3, False)
+    assert budget.need(loop) == 45  # nothing run yet: the floor
+    budget.record(loop, took_s=265, startup_s=250)
+    assert budget.need(loop) == 0.8 * (15 + 60) == 60
+    assert budget.need(upstream) == 0.8 * 265
+    budget.record(upstream, took_s=100, startup_s=25)  # a warm start seen: 25 s from now on
+    assert budget.need(loop) == 45 and budget.need(upstream) == 0.8 * (75 + 25)
+    budget.record(("dflash", 5, True), took_s=400, startup_s=None)  # failed before it was up
+    assert budget.need(("dflash", 5, True)) == 0.8 * 400 and budget.need(loop) == 45
+    assert 499 < budget.remaining() <= 500
