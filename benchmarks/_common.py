@@ -2,7 +2,8 @@
 gpu_draft_breakdown.py): how a real ``vllm serve`` is launched on 127.0.0.1, the published serving
 recipe's flags and what this machine's vLLM supports of them, /metrics snapshots (prefix-cache and
 spec-decode counters), the log lines naming backends and kernels, the results files they write, and
-(gpu_lightning.py, gpu_draft_breakdown.py) whether another engine fits in the time budget.
+(gpu_lightning.py, gpu_draft_breakdown.py, gpu_multiturn.py) whether another engine or server fits
+in the time budget.
 
 The server side reuses ``vllm_nemotron_spec.bench`` (``server``: Server, readiness; ``client``: HTTP); the launcher is
 chosen here: vLLM's own CLI module on CUDA (the GPU bundle has no console scripts), the package's

@@ -612,7 +612,7 @@ def main(argv=None) -> int:
             "eager",
         )
     }
-    longest = 0.0
+    budget = _common.RunBudget(args.budget_s, args.min_row_s, started=t_start)
     # Servers of different rows alternate (A#1, B#1, A#2, B#2, ...), so a drift of the machine
     # over the run does not fall on one row.
     order = [(name, i) for i in range(args.instances) for name in names]
@@ -634,8 +634,7 @@ def main(argv=None) -> int:
             result["runs"].append(dict(previous, kept=True))
             save()
             continue
-        remaining = args.budget_s - (time.time() - t_start)
-        need = max(args.min_row_s, 0.9 * longest)
+        remaining, need = budget.remaining(), budget.need(row)  # a row's servers share caches
         if remaining < need and not args.smoke:
             print(
                 f"[{time.time() - t_start:5.0f}s] {name}: skipped (budget: {remaining:.0f} s left, ~{need:.0f} s needed)"
@@ -659,7 +658,7 @@ def main(argv=None) -> int:
         t0 = time.time()
         entry = run_row(args, spec, models, vocab, out, name)
         entry.update(name=name, row=row, fingerprint=fingerprint)
-        longest = max(longest, time.time() - t0)
+        budget.record(row, time.time() - t0, entry.get("startup_s"))
         kept.write_text(json.dumps(entry, indent=1))
         result["runs"].append(entry)
         save()
