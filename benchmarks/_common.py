@@ -52,10 +52,15 @@ class RunBudget:
     longest run so far: the first engine's compile does not make later ones look as long."""
 
     def __init__(
-        self, budget_s: float, min_run_s: float, started: float, warm_start_s: float = 60.0
+        self,
+        budget_s: float,
+        min_run_s: float,
+        started: float,
+        factor: float = 0.8,
+        warm_start_s: float = 60.0,
     ):
         self.t0, self.budget_s, self.min_run_s = started, budget_s, min_run_s  # time.time()
-        self.warm_start_s, self.longest = warm_start_s, 0.0
+        self.factor, self.warm_start_s, self.longest = factor, warm_start_s, 0.0
         self.measuring: dict = {}  # kind -> seconds of its last run after the engine was up
 
     def elapsed(self) -> float:
@@ -66,8 +71,8 @@ class RunBudget:
 
     def need(self, kind) -> float:
         if kind in self.measuring:
-            return max(self.min_run_s, 0.8 * (self.measuring[kind] + self.warm_start_s))
-        return max(self.min_run_s, 0.8 * self.longest)
+            return max(self.min_run_s, self.factor * (self.measuring[kind] + self.warm_start_s))
+        return max(self.min_run_s, self.factor * self.longest)
 
     def record(self, kind, took_s: float, startup_s: float | None) -> None:
         """A finished run: its whole time, and its engine's start-up time where it got that far."""

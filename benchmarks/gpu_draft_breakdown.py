@@ -721,7 +721,7 @@ def parent_main(args) -> int:
         rates, alpha, expected = gl.acceptance_rates(spec.method, spec.gamma)
         entry = {"name": name, "method": spec.method, "gamma": spec.gamma, "plugin": spec.plugin,
                  "synthetic_acceptance_rates": rates, "vocab": target_cfg["vocab_size"]}  # fmt: skip
-        elapsed, remaining = time.time() - t_start, budget.remaining()
+        elapsed, remaining = budget.elapsed(), budget.remaining()
         kind = (spec.method, spec.gamma, spec.plugin)  # one draft and code path: shared caches
         need = budget.need(kind)
         if spec.plugin and not have_plugin:

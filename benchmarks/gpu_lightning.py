@@ -1288,7 +1288,7 @@ def parent_main(args) -> int:
                                     "'nemotron_spec' not installed: pip install --no-deps -e ."})  # fmt: skip
             save()
             continue
-        elapsed, remaining = time.time() - t_start, budget.remaining()
+        elapsed, remaining = budget.elapsed(), budget.remaining()
         kind = (spec.method, spec.gamma, spec.plugin)  # one draft and code path: shared caches
         need = budget.need(kind)
         if remaining < need:

@@ -612,7 +612,7 @@ def main(argv=None) -> int:
             "eager",
         )
     }
-    budget = _common.RunBudget(args.budget_s, args.min_row_s, started=t_start)
+    budget = _common.RunBudget(args.budget_s, args.min_row_s, started=t_start, factor=0.9)
     # Servers of different rows alternate (A#1, B#1, A#2, B#2, ...), so a drift of the machine
     # over the run does not fall on one row.
     order = [(name, i) for i in range(args.instances) for name in names]

@@ -318,3 +318,6 @@ def test_run_budget_judges_a_warm_engine_by_its_kind_not_by_the_first_compile():
     budget.record(("dflash", 5, True), took_s=400, startup_s=None)  # failed before it was up
     assert budget.need(("dflash", 5, True)) == 0.8 * 400 and budget.need(loop) == 45
     assert 499 < budget.remaining() <= 500
+    servers = gl._common.RunBudget(budget_s=500, min_run_s=45, started=time.time(), factor=0.9)
+    servers.record("dspark3-ours", took_s=200, startup_s=None)  # gpu_multiturn's 0.9 of a row
+    assert servers.need("plain") == 0.9 * 200
