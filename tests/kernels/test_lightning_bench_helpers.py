@@ -321,3 +321,19 @@ def test_run_budget_judges_a_warm_engine_by_its_kind_not_by_the_first_compile():
     servers = gl._common.RunBudget(budget_s=500, min_run_s=45, started=time.time(), factor=0.9)
     servers.record("dspark3-ours", took_s=200, startup_s=None)  # gpu_multiturn's 0.9 of a row
     assert servers.need("plain") == 0.9 * 200
+
+
+def test_results_table_shows_decode_time_and_an_unreported_gpu_numa_node():
+    """results.md: wall ms/step with the decode time in brackets, and a GPU without a NUMA node
+    named as not reported (a number where there is one), with the py-spy line after the host's."""
+    row = {"concurrency": 1, "output_tok_s": 600.0, "tpot_ms": 1.3, "ttft_ms": 50.0,
+           "wall_s": 0.41, "timed_steps": 90, "wall_ms_per_step": 410 / 90,
+           "host": {"available": True, "threads": [], "siblings": {}, "busy_cpus": {}, "steal": 0.0},
+           "py_spy": {"error": "py-spy did not start"}}  # fmt: skip
+    run = {"name": "dspark3-ours", "method": "dspark", "plugin": True, "gamma": 3,
+           "status": "ok", "concurrency": [row], "gpu_numa_node": None}  # fmt: skip
+    text = gl.markdown({"setup": {}, "runs": [run, {**run, "name": "b", "gpu_numa_node": 1}]})
+    assert "| 4.56 (4.00) |" in text
+    assert "(GPU's NUMA node: not reported): host: " in text
+    assert "- b, concurrency 1 (GPU's NUMA node: 1)" in text
+    assert text.count("; py-spy: py-spy did not start") == 2
