@@ -756,6 +756,7 @@ def run_startup_case(
         "root_cause": result.error,
         "output_lines": len(result.output.splitlines()),
         "traceback": "Traceback (most recent call last)" in result.output,
+        "output_tail": result.output[-1500:],  # what to read when a case fails unexpectedly
         "names_field": bool(line) and case.field in line,
         "known_gap": case.xfail,
     }

@@ -383,7 +383,10 @@ def test_invalid_speculative_config_fails_with_one_line(startup_results, case):
     ``vllm serve: error: invalid <Config>: <message naming the field>``."""
     result = startup_results[case.name]
     assert not result["became_ready"], f"{case.name}: the server started"
-    assert result["returncode"] == 2, result
+    assert result["returncode"] == 2, (
+        f"{case.name}: exit {result['returncode']}; {result['root_cause']}; output ends: "
+        f"{result['output_tail']}"
+    )
     line = result["error_line"]
     assert line is not None, f"{case.name}: no 'vllm serve: error:' line; {result['root_cause']}"
     assert case.field in line, f"{case.name}: the error does not name {case.field!r}: {line}"
