@@ -38,7 +38,8 @@ in the order named), as long as the ``--budget-s`` allows:
                       fused walk (VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0); only when named in --runs
 
 Engines of one configuration differ on a lent H200: at concurrency 1 some run ~4.0 ms a step and
-others ~6 ms with the same draft GPU time, so the difference is outside the draft. ``--engines N``
+others ~6 ms with the same draft GPU time, so the difference is outside the draft (repeats within
+one engine spread as much; a concurrency-1 step is host-bound, ``--py-spy`` shows where). ``--engines N``
 starts the named runs N times over, interleaved, and each measurement records where the engine's
 busiest threads ran (``host``: CPUs, their hyperthread siblings and NUMA node, CPU seconds, the
 machine's busy CPUs, the hypervisor's steal time; the GPU's NUMA node per engine), to compare
@@ -799,11 +800,19 @@ def py_spy_summary(text: str, wall_s: float, rate_hz: float, top: int = 8) -> di
     busiest = max(threads, key=threads.get)
     leaves: dict[str, int] = {}
     inclusive: dict[str, int] = {}
+    into: dict[tuple[str, str], int] = {}  # samples going on from a frame into a callee
     for frames, n in stacks[busiest]:
         if frames:
             leaves[frames[-1]] = leaves.get(frames[-1], 0) + n
         for f in dict.fromkeys(frames):  # a recursive frame counts once per sample
             inclusive[f] = inclusive.get(f, 0) + n
+        for f, g in dict.fromkeys(zip(frames, frames[1:])):
+            into[f, g] = into.get((f, g), 0) + n
+    # Phases: frames below the trunk that 90% of the samples share (the engine loop), leaving
+    # out wrappers (90% of whose samples go on into one callee, which stands for them).
+    wrappers = {f for (f, _), n in into.items() if n >= 0.9 * inclusive[f]}
+    total = threads[busiest]
+    phases = {f: n for f, n in inclusive.items() if n < 0.9 * total and f not in wrappers}
 
     def ranked(counts):
         return [[f, round(n / expected, 3)] for f, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]  # fmt: skip
@@ -815,6 +824,7 @@ def py_spy_summary(text: str, wall_s: float, rate_hz: float, top: int = 8) -> di
         "busiest": busiest,
         "leaves": ranked(leaves),
         "inclusive": ranked(inclusive),
+        "phases": ranked(phases),
     }  # fmt: skip
 
 
@@ -826,9 +836,11 @@ def profile_line(summary: dict) -> str:
         return "py-spy: no samples"
     busy = ", ".join(f"{k} {v:.0%}" for k, v in list(summary["threads"].items())[:3])
     leaves = ", ".join(f"{f} {v:.0%}" for f, v in summary["leaves"])
+    phases = ", ".join(f"{f} {v:.0%}" for f, v in summary.get("phases", []))
     return (
         f"py-spy ({summary['wall_s']} s at {summary['rate_hz']:.0f} Hz): busy {busy}; "
         f"{summary['busiest']} innermost: {leaves}"
+        + (f"; {summary['busiest']} phases (inclusive): {phases}" if phases else "")
     )
 
 
@@ -842,6 +854,19 @@ def decode_ms_per_step(row: dict) -> float | None:
     if ttft is None or not steps or row.get("wall_s") is None:
         return None
     return (row["wall_s"] * 1e3 - ttft) / steps
+
+
+def draft_cell(row: dict) -> str:
+    """The draft column: the median of the repeats' draft GPU time with their range, the Markov
+    walk's in brackets. The draft time is measured apart from tokens/s, so the repeat with the
+    median tokens/s can hold an outlying draft time that the median over repeats does not."""
+    drafts = [x for x in row.get("draft_ms_per_step_all") or [] if x is not None]
+    draft = statistics.median(drafts) if drafts else row.get("draft_ms_per_step")
+    if draft is None:
+        return ""
+    spread = f" [{min(drafts):.3f}-{max(drafts):.3f}]" if len(drafts) > 1 else ""
+    markov = row.get("markov_ms_per_step")
+    return f"{draft:.3f}{spread}" + ("" if markov is None else f" ({markov:.3f})")
 
 
 def median_repeat(rows: list[dict]) -> dict:
@@ -1167,13 +1192,7 @@ def markdown(results: dict) -> str:
             acc_s = (f"{acc:.2f}" if acc else "-") + (f" / {exp:.2f}" if exp else "")
             tpot = c.get("tpot_ms") or c.get("tpot_ms_wall_estimate")
             ttft = c.get("ttft_ms")
-            draft = c.get("draft_ms_per_step")
-            markov = c.get("markov_ms_per_step")
-            draft_s = (
-                ""
-                if draft is None
-                else f"{draft:.3f}" + ("" if markov is None else f" ({markov:.3f})")
-            )
+            draft_s = draft_cell(c)
             wall_step, decode = c.get("wall_ms_per_step"), decode_ms_per_step(c)
             wall_s = "" if wall_step is None else f"{wall_step:.2f}"
             wall_s += "" if decode is None else f" ({decode:.2f})"
@@ -1183,7 +1202,7 @@ def markdown(results: dict) -> str:
                 f"{draft_s} | {wall_s} | "
                 f"{r.get('startup_s', '')} | {r.get('status')} |"
             )
-    lines += ["", "Draft ms/step: GPU time of the drafter call per engine step (CUDA events around vLLM's "
+    lines += ["", "Draft ms/step: GPU time of the drafter call per engine step, the median over the repeats [their range] (CUDA events around vLLM's "
               "DFlashSpeculator.propose on the V2 runner, GPUModelRunner.propose_draft_token_ids on V1), in "
               "brackets the DSpark Markov walk (DSparkSpeculator._sample_sequential) when it runs outside a "
               "CUDA graph. Wall ms/step: the generate call's wall time over the timed steps; in brackets "

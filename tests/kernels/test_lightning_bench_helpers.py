@@ -248,12 +248,15 @@ def test_py_spy_summary_ranks_the_busiest_threads_functions():
     inclusive = dict(got["inclusive"])
     assert inclusive["step (core.py)"] == 0.8 and inclusive["get_output (model_runner.py)"] == 0.48
     assert "wait (threading.py)" not in inclusive
+    # phases: below the loop every sample shares; get_output only ever calls synchronize
+    assert got["phases"] == [["synchronize (streams.py)", 0.48], ["execute_model (model_runner.py)", 0.32]]  # fmt: skip
     line = gl.profile_line(got)
     assert line.startswith(
         "py-spy (0.5 s at 250 Hz): busy MainThread 80%, Thread-2 (process_output) 4%;"
     )
-    assert line.endswith(
-        "innermost: synchronize (streams.py) 48%, execute_model (model_runner.py) 32%"
+    assert (
+        "innermost: synchronize (streams.py) 48%, execute_model (model_runner.py) 32%; "
+        "MainThread phases (inclusive): synchronize (streams.py) 48%, " in line
     )
     assert gl.profile_line(gl.py_spy_summary("", 0.5, 250)) == "py-spy: no samples"
 
@@ -337,3 +340,18 @@ def test_results_table_shows_decode_time_and_an_unreported_gpu_numa_node():
     assert "(GPU's NUMA node: not reported): host: " in text
     assert "- b, concurrency 1 (GPU's NUMA node: 1)" in text
     assert text.count("; py-spy: py-spy did not start") == 2
+
+
+def test_draft_column_is_the_median_over_repeats_not_the_median_tok_s_repeat():
+    """The repeat with the median tokens/s held the highest draft time of three (0.995 against
+    0.921 and 0.941 on the H200); the column shows 0.941 and the range."""
+    rows = [
+        {"output_tok_s": v, "draft_ms_per_step": d}
+        for v, d in [(2242.0, 0.941), (1834.0, 0.921), (2217.0, 0.995)]
+    ]
+    row = gl.median_repeat(rows)
+    assert row["draft_ms_per_step"] == 0.995
+    assert gl.draft_cell(row) == "0.941 [0.921-0.995]"
+    assert gl.draft_cell({**row, "markov_ms_per_step": 0.08}) == "0.941 [0.921-0.995] (0.080)"
+    assert gl.draft_cell({"draft_ms_per_step": 0.5}) == "0.500"  # rows from before the repeats
+    assert gl.draft_cell({"draft_ms_per_step_all": [None]}) == ""
