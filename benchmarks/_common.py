@@ -230,7 +230,7 @@ def launch(
             cwd=str(REPO),
         )
     server = serve.Server(proc, f"http://{serve.HOST}:{port}", log_path, cmd)
-    server.extra["launched"] = time.monotonic()
+    server.extra.update(launched=time.monotonic(), env=full_env, cwd=str(REPO))  # wait_ready
     return server
 
 

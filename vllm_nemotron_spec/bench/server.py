@@ -46,6 +46,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PORT_CLASH = "Address already in use"
+"""What ``vllm serve`` prints when another process took its port between :func:`free_port` and
+the server binding it (vLLM binds before it builds the engine); the launchers retry once on a
+new port then."""
+
+
+def _port_clash(returncode: int | None, output: str) -> bool:
+    return returncode not in (None, 0) and PORT_CLASH in output
+
+
 def serve_command(
     model: str,
     *,
@@ -155,12 +165,13 @@ def launch_server(
     cmd = serve_command(model, port=port, speculative_config=speculative_config, args=args)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    full_env = server_env(env)
     with open(log_path, "wb") as sink:
         proc = subprocess.Popen(
-            cmd, stdout=sink, stderr=subprocess.STDOUT, env=server_env(env), start_new_session=True
+            cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
     server = Server(proc, f"http://{HOST}:{port}", log_path, cmd)
-    server.extra["launched"] = time.monotonic()
+    server.extra.update(launched=time.monotonic(), env=full_env)
     return server
 
 
@@ -172,6 +183,9 @@ def wait_ready(server: Server, timeout: float = 300.0) -> Server:
     while True:
         if server.proc.poll() is not None:
             log = server.log()
+            if _port_clash(server.proc.returncode, log) and not server.extra.get("relaunched"):
+                _relaunch_on_new_port(server)
+                continue
             error = startup_error(log)
             raise ServerStartError(
                 f"vllm serve exited with code {server.proc.returncode}: {error or 'see its log'}",
@@ -192,6 +206,27 @@ def wait_ready(server: Server, timeout: float = 300.0) -> Server:
                 server.proc.returncode,
             )
         time.sleep(0.5)
+
+
+def _relaunch_on_new_port(server: Server) -> None:
+    """Start ``server``'s command again on a fresh port (same log file, appended), with the
+    environment and directory it was launched with (``extra``)."""
+    port = free_port()
+    cmd = list(server.cmd)
+    cmd[cmd.index("--port") + 1] = str(port)
+    with open(server.log_path, "ab") as sink:
+        sink.write(f"\n[{PORT_CLASH}: relaunched on port {port}]\n".encode())
+        sink.flush()
+        server.proc = subprocess.Popen(
+            cmd,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env=server.extra.get("env"),
+            cwd=server.extra.get("cwd"),
+            start_new_session=True,
+        )
+    server.cmd, server.url = cmd, f"http://{HOST}:{port}"
+    server.extra["relaunched"] = True
 
 
 def start_server(
@@ -228,7 +263,15 @@ def serve_once(
     timeout: float = 180.0,
 ) -> FailedStart:
     """Run ``vllm serve`` that is expected to fail at start-up; returns its exit code and output.
-    If it becomes ready instead, it is stopped and ``became_ready`` is True."""
+    If it becomes ready instead, it is stopped and ``became_ready`` is True. A port taken by
+    another process before the server bound it (:data:`PORT_CLASH`) is retried once."""
+    result = _serve_once(model, speculative_config, args, env, timeout)
+    if _port_clash(result.returncode, result.output):
+        result = _serve_once(model, speculative_config, args, env, timeout)
+    return result
+
+
+def _serve_once(model, speculative_config, args, env, timeout) -> FailedStart:
     port = free_port()
     cmd = serve_command(model, port=port, speculative_config=speculative_config, args=args)
     start = time.monotonic()
