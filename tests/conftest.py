@@ -40,72 +40,13 @@ def pytest_configure(config):
     )
 
 
-@pytest.hookimpl(trylast=True)  # after pytest's own ordering by fixture
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get(SLOW_ENV) != "1":
-        skip = pytest.mark.skip(reason=f"slow test; set {SLOW_ENV}=1 to run it")
-        for item in items:
-            if "slow" in item.keywords:
-                item.add_marker(skip)
-    if not config.option.collectonly:
-        build_family_in_background(items)
-
-
-FAMILY_FIXTURE = "tiny_family"
-
-_BUILD_FAMILY = """import signal, sys
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # exit through the build's clean-up
-from vllm_nemotron_spec.tiny.build import ensure_tiny_family
-from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
-ensure_trained_drafts(family=ensure_tiny_family(seed=int(sys.argv[1])))
-"""
-
-_family_build = None  # the background build's process
-
-
-def build_family_in_background(items) -> None:
-    """On a cold cache the first test that needs the tiny family builds it and trains its drafts
-    (~2 minutes on one core). Build them in a background process instead (the cache's file lock
-    makes the fixture wait for it, or reuse what it built) and run the files that need neither
-    first, so the build overlaps them on another core."""
-    global _family_build
-    import subprocess
-
-    def uses_family(item) -> bool:
-        return FAMILY_FIXTURE in getattr(item, "fixturenames", ())
-
-    with_family = {item.path for item in items if uses_family(item)}
-    if not with_family or _family_build is not None:
+    if os.environ.get(SLOW_ENV) == "1":
         return
-    items[:] = [i for i in items if i.path not in with_family] + [
-        i for i in items if i.path in with_family
-    ]
-    _WORK_CACHE.mkdir(exist_ok=True)
-    with open(_WORK_CACHE / "tiny-family-build.log", "wb") as log:
-        _family_build = subprocess.Popen(
-            [sys.executable, "-c", _BUILD_FAMILY, os.environ.get(SEED_ENV, "0")],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-        )
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """A background build still running finishes on its own (the next session reuses it), unless
-    the tests were interrupted: then it stops and removes its partial files."""
-    if _family_build is None or _family_build.poll() is not None:
-        return
-    if exitstatus == pytest.ExitCode.INTERRUPTED:
-        _family_build.terminate()
-        _family_build.wait()
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.ensure_newline()
-        reporter.write_line(
-            f"tiny family / trained drafts still building in the background (pid "
-            f"{_family_build.pid}, log {_WORK_CACHE / 'tiny-family-build.log'})"
-        )
+    skip = pytest.mark.skip(reason=f"slow test; set {SLOW_ENV}=1 to run it")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 
 
 SEED_ENV = "VLLM_NEMOTRON_SPEC_TEST_SEED"
