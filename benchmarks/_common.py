@@ -218,20 +218,7 @@ def launch(
             full_env.pop("VLLM_PLUGINS")
     else:
         full_env["VLLM_PLUGINS"] = ""
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as sink:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            start_new_session=True,
-            cwd=str(REPO),
-        )
-    server = serve.Server(proc, f"http://{serve.HOST}:{port}", log_path, cmd)
-    server.extra.update(launched=time.monotonic(), env=full_env, cwd=str(REPO))  # wait_ready
-    return server
+    return serve.spawn_server(cmd, log_path, full_env, cwd=str(REPO))
 
 
 def served_model(url: str) -> str:

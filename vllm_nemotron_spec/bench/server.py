@@ -163,15 +163,24 @@ def launch_server(
     """Start ``vllm serve`` in the background without waiting (see :func:`wait_ready`)."""
     port = port or free_port()
     cmd = serve_command(model, port=port, speculative_config=speculative_config, args=args)
+    return spawn_server(cmd, log_path, server_env(env))
+
+
+def spawn_server(
+    cmd: list[str], log_path: str | Path, env: dict, cwd: str | None = None, append: bool = False
+) -> Server:
+    """Start ``cmd`` (a ``vllm serve ... --port PORT``) in a new session with its output in
+    ``log_path``, without waiting; the environment and directory stay in ``extra`` so that
+    :func:`wait_ready` can start it again on another port."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    full_env = server_env(env)
-    with open(log_path, "wb") as sink:
+    with open(log_path, "ab" if append else "wb") as sink:
         proc = subprocess.Popen(
-            cmd, stdout=sink, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
         )
+    port = cmd[cmd.index("--port") + 1]
     server = Server(proc, f"http://{HOST}:{port}", log_path, cmd)
-    server.extra.update(launched=time.monotonic(), env=full_env)
+    server.extra.update(launched=time.monotonic(), env=env, cwd=cwd)
     return server
 
 
@@ -209,23 +218,17 @@ def wait_ready(server: Server, timeout: float = 300.0) -> Server:
 
 
 def _relaunch_on_new_port(server: Server) -> None:
-    """Start ``server``'s command again on a fresh port (same log file, appended), with the
-    environment and directory it was launched with (``extra``)."""
+    """Start ``server``'s command again on a fresh port (its log appended), keeping the first
+    launch's time for the deadline."""
     port = free_port()
     cmd = list(server.cmd)
     cmd[cmd.index("--port") + 1] = str(port)
     with open(server.log_path, "ab") as sink:
         sink.write(f"\n[{PORT_CLASH}: relaunched on port {port}]\n".encode())
-        sink.flush()
-        server.proc = subprocess.Popen(
-            cmd,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=server.extra.get("env"),
-            cwd=server.extra.get("cwd"),
-            start_new_session=True,
-        )
-    server.cmd, server.url = cmd, f"http://{HOST}:{port}"
+    again = spawn_server(
+        cmd, server.log_path, server.extra["env"], server.extra["cwd"], append=True
+    )
+    server.proc, server.cmd, server.url = again.proc, again.cmd, again.url
     server.extra["relaunched"] = True
 
 
