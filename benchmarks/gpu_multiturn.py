@@ -316,7 +316,10 @@ COLUMNS = [
 ]
 NOTE = (
     "Median repeat by output tok/s, [min-max] over the repeats in one engine. x upstream: the "
-    'same row with vLLM alone (VLLM_PLUGINS=""). Prefix hit rate: prefix-cache hit tokens / '
+    'same row with vLLM alone (VLLM_PLUGINS=""); x plain / x upstream are the median [min-max] of '
+    "the repeat-by-repeat ratios (repeat k sends the same prompts to every server and, with "
+    "synthetic acceptance, draws the same accept/reject sequence), not a ratio of two medians, "
+    "which can pick repeats of different acceptance. Prefix hit rate: prefix-cache hit tokens / "
     "queried tokens over the timed turns (the shared prefix was sent once before them). Hits / "
     "reachable: hit tokens / the most that whole blocks of the row's block size allow (Mamba align "
     "mode reuses whole blocks of earlier prompts; blocks filled while decoding an answer are not "
@@ -361,11 +364,28 @@ def _upstream_row(row: str) -> str | None:
     return row.replace("-ours", "-upstream") if row.endswith("-ours") else None
 
 
-def _tok_s(run: dict | None, conc: int) -> float | None:
+def _conc_row(run: dict | None, conc: int) -> dict | None:
     for c in (run or {}).get("concurrency") or []:
         if c["concurrency"] == conc:
-            return c.get("output_tok_s")
+            return c
     return None
+
+
+def _tok_s(run: dict | None, conc: int) -> float | None:
+    return (_conc_row(run, conc) or {}).get("output_tok_s")
+
+
+def paired_ratio(row: dict, base: dict | None) -> str:
+    """``row`` over ``base`` in tokens/s, repeat by repeat: the median ratio [min-max] (repeat k
+    of both servers ran the same workload), or the ratio of the medians when the repeats do not
+    pair up (a different repeat count, a failed repeat)."""
+    if not base or not row.get("output_tok_s") or not base.get("output_tok_s"):
+        return ""
+    a, b = row.get("output_tok_s_all") or [], base.get("output_tok_s_all") or []
+    if len(a) != len(b) or len(a) < 2 or not all(a) or not all(b):
+        return f"{row['output_tok_s'] / base['output_tok_s']:.2f}"
+    ratios = [x / y for x, y in zip(a, b)]
+    return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 def across_instances(runs: list[dict]) -> list[str]:
@@ -403,9 +423,6 @@ def markdown(result: dict) -> str:
     rows = []
     by_name = {r["name"]: r for r in result["runs"]}
 
-    def tps(name, conc):
-        return _tok_s(by_name.get(name), conc)
-
     for r in result["runs"]:
         if not r.get("concurrency"):
             err = str(r.get("error") or r.get("status"))[:200].replace("|", "/").replace("\n", " ")
@@ -415,15 +432,15 @@ def markdown(result: dict) -> str:
         suffix = r["name"][len(row) :]  # "#k": compared with the k-th server of the other rows
         for c in r["concurrency"]:
             t = c.get("output_tok_s")
-            base = tps("plain" + suffix, c["concurrency"])
+            base = _conc_row(by_name.get("plain" + suffix), c["concurrency"])
             upstream = _upstream_row(row)
-            up = tps(upstream + suffix, c["concurrency"]) if upstream else None
+            up = _conc_row(by_name.get(upstream + suffix), c["concurrency"]) if upstream else None
             acc = c.get("mean_acceptance_length")
             exp = r.get("expected_acceptance_length")
             hit = c.get("prefix_hit_rate")
             rows.append(
                 f"| {r['name']} | {c['concurrency']} | {_f(t, '{:.1f}')}{_range(c.get('output_tok_s_all'))} | "
-                f"{_f(t / base if t and base else None, '{:.2f}')} | {_f(t / up if t and up else None, '{:.2f}')} | "
+                f"{paired_ratio(c, base)} | {paired_ratio(c, up)} | "
                 f"{_f(c.get('ttft_ms'), '{:.1f}')}{_range(c.get('ttft_ms_all'))} | "
                 f"{_f(c.get('tpot_ms'), '{:.2f}')}{_range(c.get('tpot_ms_all'), '{:.2f}')} | "
                 f"{_f(c.get('server_ttft_ms'), '{:.1f}')} / {_f(c.get('server_tpot_ms'), '{:.2f}')} | "

@@ -61,6 +61,10 @@ class AttentionInputs:
     user_use_trtllm_attention: bool | None = None
     user_draft_backend: str | None = None
     """``speculative_config.attention_backend``."""
+    flashinfer_cubin: bool = False
+    """FlashInfer's precompiled TRT-LLM/XQA kernels are installed (``flashinfer-cubin`` importable
+    or ``VLLM_HAS_FLASHINFER_CUBIN``); without them vLLM uses those kernels only where NVIDIA's
+    artifactory is reachable."""
 
     def __post_init__(self) -> None:
         cap = self.capability
@@ -222,14 +226,51 @@ def _draft_shape(inputs: AttentionInputs) -> str:
     return f"({', '.join(parts)})"
 
 
+# What a FlashInfer draft without full CUDA graphs costs: vLLM lowers the whole engine's
+# cudagraph_mode to PIECEWISE (the target's graphs too). Measured on an H200 with the recipe's
+# FlashInfer options (its Mamba backend as well; DFlash 5, Lightning widths): ~4x fewer tokens/s
+# at concurrency 1, ~1.6x fewer at 16 (benchmarks/RESULTS.md).
+_PIECEWISE_COST = (
+    "so vLLM captures piecewise CUDA graphs only, for the target too (an H200 with the recipe's "
+    "FlashInfer options served ~4x fewer tokens/s at concurrency 1)"
+)
+
+
 def _explicit_draft_caveat(inputs: AttentionInputs, major: int) -> str:
     if inputs.user_draft_backend != FLASHINFER:
         return ""
     if inputs.draft_causal is False and major == 10:
-        return "; note: vLLM runs a non-causal FlashInfer draft without full CUDA graphs on SM10x"
+        return (
+            f"; note: a non-causal FlashInfer draft has no full CUDA graph on SM10x, "
+            f"{_PIECEWISE_COST}"
+        )
+    if major in (9, 12) and not _xqa_decode_available(inputs):
+        # FlashInferMetadataBuilder.get_cudagraph_support: on SM90/SM12x a FlashInfer layer gets
+        # full graphs for multi-token (draft, verify) batches only through the XQA decode kernels.
+        why = (
+            "use_trtllm_attention=False"
+            if inputs.user_use_trtllm_attention is False
+            else "VLLM_BATCH_INVARIANT"
+            if inputs.batch_invariant
+            else "flashinfer-cubin is not installed and NVIDIA's artifactory may be unreachable"
+        )
+        return (
+            f"; note: without FlashInfer's XQA kernels ({why}) a FlashInfer draft has no full "
+            f"CUDA graph on {'SM90' if major == 9 else 'SM12x'}, {_PIECEWISE_COST}"
+        )
     if inputs.draft_has_sinks and inputs.user_use_trtllm_attention is False:
         return "; note: FlashInfer serves sinks only with TRT-LLM kernels, which are turned off"
     return ""
+
+
+def _xqa_decode_available(inputs: AttentionInputs) -> bool:
+    """Whether vLLM can use FlashInfer's XQA decode kernels for the draft, as far as is known at
+    start-up without a network probe (vLLM's own check also tries NVIDIA's artifactory)."""
+    return (
+        inputs.flashinfer_cubin
+        and inputs.user_use_trtllm_attention is not False
+        and not inputs.batch_invariant
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,7 +342,18 @@ def attention_inputs_from_config(vllm_config: Any) -> AttentionInputs:
         user_use_trtllm_attention=attention.use_trtllm_attention,
         user_draft_backend=draft_backend,
         draft_problem=draft_problem,
+        flashinfer_cubin=_flashinfer_cubin_installed(envs),
     )
+
+
+def _flashinfer_cubin_installed(envs: Any) -> bool:
+    """vLLM's ``has_flashinfer_cubin`` without importing FlashInfer: the package is importable or
+    ``VLLM_HAS_FLASHINFER_CUBIN`` says the cubins are there."""
+    import importlib.util
+
+    if getattr(envs, "VLLM_HAS_FLASHINFER_CUBIN", False):
+        return True
+    return importlib.util.find_spec("flashinfer_cubin") is not None
 
 
 def apply_attention_choice(vllm_config: Any) -> AttentionDecision:
