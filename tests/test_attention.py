@@ -573,6 +573,31 @@ def test_hook_explicit_choices_win(model_dirs, cuda):
     assert config.attention_config.use_trtllm_attention is False
 
 
+def test_hook_sm90_flashinfer_draft_notes_the_piecewise_engine(model_dirs, cuda, monkeypatch):
+    """The recipe's FlashInfer DFlash draft on Hopper: kept, and the line says the engine loses
+    its full CUDA graphs unless flashinfer-cubin is installed (read from the real environment)."""
+    import importlib.util
+
+    lines = cuda((9, 0))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "flashinfer_cubin" else find_spec(name, *a),
+    )
+    spec_extra = dict(attention_backend="FLASHINFER")
+    config = _engine_config(model_dirs["nemotron_h"], model_dirs["dflash"], "dflash", spec_extra)
+    assert _backend_name(config.speculative_config.attention_backend) == FLASHINFER
+    assert config.attention_config.backend is None
+    assert "flashinfer-cubin is not installed" in lines[-1], lines[-1]
+    assert "piecewise CUDA graphs only, for the target too" in lines[-1]
+
+    monkeypatch.setenv("VLLM_HAS_FLASHINFER_CUBIN", "1")
+    _engine_config(model_dirs["nemotron_h"], model_dirs["dflash"], "dflash", spec_extra)
+    assert "kept as the user chose (speculative_config.attention_backend=FLASHINFER)" in lines[-1]
+    assert "piecewise" not in lines[-1], lines[-1]
+
+
 def test_hook_on_cpu_changes_nothing(model_dirs, cuda):
     lines = cuda(None)
     config = _engine_config(model_dirs["nemotron_h"], model_dirs["dflash"], "dflash")

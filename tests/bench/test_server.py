@@ -3,6 +3,7 @@ is retried on a new port (a stand-in server binds the port as vLLM does)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 
@@ -91,3 +92,49 @@ def test_a_clash_is_retried_once_only(monkeypatch, tmp_path):
         with pytest.raises(serve.ServerStartError) as err:
             serve.start_server("model", tmp_path / "serve.log", timeout=60)
         assert err.value.returncode == 1 and serve.PORT_CLASH in err.value.log
+
+
+KILLED_LAUNCHER = """import sys, time
+sys.path.insert(0, {repo!r})
+from vllm_nemotron_spec.bench import server as serve
+serve.serve_command = lambda model, *, port, speculative_config=None, args=(): [
+    sys.executable, {script!r}, "--port", str(port)]
+srv = serve.start_server("model", {log!r}, timeout=60)
+try:
+    print(srv.proc.pid, flush=True)
+    time.sleep(120)  # a benchmark's workload, cut short by `timeout`
+finally:
+    print("finally ran", flush=True)
+"""
+
+
+def test_a_launcher_killed_by_sigterm_stops_its_servers(tmp_path):
+    """``timeout`` sends SIGTERM to the launcher only (each server has a session of its own):
+    the launcher must still stop its servers, or they keep their GPU memory after it died."""
+    import os
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    repo = str(Path(serve.__file__).resolve().parents[2])
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(
+        KILLED_LAUNCHER.format(repo=repo, script=str(script), log=str(tmp_path / "serve.log"))
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(launcher)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    server_pid = int(proc.stdout.readline())
+    try:
+        os.kill(server_pid, 0)  # the stand-in server runs
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+        assert proc.returncode == 128 + signal.SIGTERM, out
+        assert "finally ran" in out
+        with pytest.raises(ProcessLookupError):
+            os.kill(server_pid, 0)
+    finally:  # a failed check leaves no stand-in behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server_pid, signal.SIGKILL)

@@ -125,6 +125,7 @@ class Server:
         """SIGTERM (vLLM shuts its engine core down), then SIGKILL to the server's own process
         group (it was started in a new session: its engine core and workers only)."""
         _stop(self.proc, timeout)
+        _LIVE.pop(self.proc.pid, None)
         return self.proc.returncode
 
     def __enter__(self) -> "Server":
@@ -132,6 +133,44 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# Servers started and not stopped yet, by pid: stopped at exit (see _stop_servers_at_exit).
+_LIVE: dict[int, Server] = {}
+
+
+def _stop_live_servers() -> None:
+    for server in list(_LIVE.values()):
+        try:
+            server.stop(timeout=10.0)
+        except Exception:  # noqa: BLE001 - stopping the others matters more
+            pass
+
+
+def _stop_servers_at_exit() -> None:
+    """Stop this process's servers when it exits, a SIGTERM included (``timeout CMD`` sends
+    one). A server runs in a session of its own, so a signal to its launcher's process group
+    does not reach it, and Python's default SIGTERM ends the launcher without running its
+    ``finally`` blocks: a killed benchmark would leave its servers holding their GPU memory.
+    SIGTERM becomes ``SystemExit`` where nothing else handles it (main thread only, as
+    ``signal.signal`` requires)."""
+    import atexit
+    import signal
+    import threading
+
+    global _AT_EXIT_INSTALLED
+    if _AT_EXIT_INSTALLED:
+        return
+    _AT_EXIT_INSTALLED = True
+    atexit.register(_stop_live_servers)
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+_AT_EXIT_INSTALLED = False
 
 
 def _stop(proc: subprocess.Popen, timeout: float) -> None:
@@ -181,6 +220,8 @@ def spawn_server(
     port = cmd[cmd.index("--port") + 1]
     server = Server(proc, f"http://{HOST}:{port}", log_path, cmd)
     server.extra.update(launched=time.monotonic(), env=env, cwd=cwd)
+    _LIVE[proc.pid] = server
+    _stop_servers_at_exit()
     return server
 
 
@@ -228,6 +269,8 @@ def _relaunch_on_new_port(server: Server) -> None:
     again = spawn_server(
         cmd, server.log_path, server.extra["env"], server.extra["cwd"], append=True
     )
+    _LIVE.pop(server.proc.pid, None)
+    _LIVE[again.proc.pid] = server
     server.proc, server.cmd, server.url = again.proc, again.cmd, again.url
     server.extra["relaunched"] = True
 
