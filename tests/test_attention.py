@@ -247,21 +247,24 @@ def test_reason_names_the_deciding_fact(inputs, expected_in_reason):
 @pytest.mark.parametrize(
     "inputs, note",
     [
-        # SM90 / SM12x: full graphs for a FlashInfer draft only through the XQA cubins
-        (dict(capability=SM90, **DFLASH), "flashinfer-cubin is not installed"),
-        (dict(capability=SM90, **DSPARK), "flashinfer-cubin is not installed"),
-        (dict(capability=SM120, **DFLASH), "on SM12x"),
+        # SM90 / SM12x: full graphs for a FlashInfer draft only through the XQA kernels
         (
-            dict(capability=SM90, flashinfer_cubin=True, user_use_trtllm_attention=False, **DFLASH),
+            dict(capability=SM90, trtllm_kernels=False, **DFLASH),
+            "flashinfer-cubin is not installed",
+        ),
+        (
+            dict(capability=SM90, trtllm_kernels=False, **DSPARK),
+            "flashinfer-cubin is not installed",
+        ),
+        (dict(capability=SM120, trtllm_kernels=False, **DFLASH), "on SM12x"),
+        (
+            dict(capability=SM90, user_use_trtllm_attention=False, **DFLASH),
             "(use_trtllm_attention=False)",
         ),
-        (
-            dict(capability=SM90, flashinfer_cubin=True, batch_invariant=True, **DFLASH),
-            "(VLLM_BATCH_INVARIANT)",
-        ),
-        (dict(capability=SM90, flashinfer_cubin=True, **DFLASH), None),
+        (dict(capability=SM90, batch_invariant=True, **DFLASH), "(VLLM_BATCH_INVARIANT)"),
+        (dict(capability=SM90, **DFLASH), None),  # XQA kernels load: full graphs
         (dict(capability=SM100, **DSPARK), None),  # causal on SM10x: TRT-LLM, full graphs
-        (dict(capability=SM100, flashinfer_cubin=True, **DFLASH), "non-causal"),
+        (dict(capability=SM100, **DFLASH), "non-causal"),
     ],
     ids=[
         "sm90-dflash",
@@ -269,7 +272,7 @@ def test_reason_names_the_deciding_fact(inputs, expected_in_reason):
         "sm120-dflash",
         "sm90-trtllm-off",
         "sm90-batch-invariant",
-        "sm90-with-cubin",
+        "sm90-with-kernels",
         "sm100-causal",
         "sm100-non-causal",
     ],
@@ -288,18 +291,52 @@ def test_flashinfer_draft_note_says_when_the_engine_loses_full_cuda_graphs(input
         ), decision.reason
 
 
-def test_flashinfer_cubin_is_read_without_importing_flashinfer(monkeypatch):
-    import types
+@pytest.mark.parametrize(
+    "inputs, expected",
+    [
+        ("sm100-target-only", (None, None, None)),
+        ("sm100-dspark", (None, None, None)),  # a pinned FLASHINFER sink draft would not start
+        ("sm100-dflash", (None, None, FLASH_ATTN)),  # FA4 needs no TRT-LLM kernel
+        ("sm103-dspark", (None, None, None)),
+    ],
+)
+def test_sm10x_pins_needing_trtllm_are_not_made_without_its_kernels(inputs, expected):
+    """Without flashinfer-cubin and NVIDIA's artifactory, FlashInfer has no TRT-LLM kernels and
+    no sink support: vLLM refuses a pinned backend that cannot serve the layer, while its own
+    choice picks one that can. So the plugin pins nothing that needs TRT-LLM there."""
+    base = dict(next(m[1] for m in MATRIX if m[0] == inputs))
+    decision = resolve_attention_backends(AttentionInputs(trtllm_kernels=False, **base))
+    got = (decision.target_backend, decision.use_trtllm_attention, decision.draft_backend)
+    assert got == expected, decision.reason
+    assert "TRT-LLM kernels cannot load" in decision.reason
 
-    envs = types.SimpleNamespace(VLLM_HAS_FLASHINFER_CUBIN=False)
-    monkeypatch.setattr(
-        "importlib.util.find_spec", lambda name: object() if name == "flashinfer_cubin" else None
-    )
-    assert attention._flashinfer_cubin_installed(envs)
-    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    assert not attention._flashinfer_cubin_installed(envs)
-    envs.VLLM_HAS_FLASHINFER_CUBIN = True
-    assert attention._flashinfer_cubin_installed(envs)
+
+@pytest.mark.parametrize(
+    "inputs, probed",
+    [
+        (dict(capability=CPU, **DSPARK), False),
+        (dict(capability=SM90, **DFLASH), False),  # vLLM's defaults: FA3, no FlashInfer
+        (dict(capability=SM90, user_draft_backend=FLASHINFER, **DFLASH), True),
+        (dict(capability=SM120, user_draft_backend=FLASHINFER, **DSPARK), True),
+        (dict(capability=SM100), True),
+        (dict(capability=SM100, **DFLASH), True),
+        (dict(capability=SM100, user_backend="TRITON_ATTN", **DFLASH), False),  # FA4 draft only
+        (dict(capability=SM100, user_backend="TRITON_ATTN", **DSPARK), True),  # the draft pin
+        (
+            dict(
+                capability=SM100,
+                user_backend="TRITON_ATTN",
+                user_draft_backend="TRITON_ATTN",
+                **DSPARK,
+            ),
+            False,
+        ),
+    ],
+)
+def test_the_kernels_are_probed_only_where_the_decision_reads_them(inputs, probed):
+    """The probe is vLLM's has_nvidia_artifactory (a network request without flashinfer-cubin):
+    made only where the plugin's choice depends on it."""
+    assert attention._reads_trtllm_kernels(AttentionInputs(**inputs)) is probed
 
 
 def test_sliding_window_does_not_change_the_choice():
@@ -468,8 +505,10 @@ def cuda(monkeypatch):
     old_level = log.level
     log.setLevel(logging.INFO)
 
-    def simulate(capability):
+    def simulate(capability, trtllm_kernels=True):
         monkeypatch.setattr(attention, "_cuda_capability", lambda: capability)
+        # vLLM's has_nvidia_artifactory would make a network request: the answer is simulated
+        monkeypatch.setattr(attention, "_trtllm_kernels_available", lambda: trtllm_kernels)
         return handler.lines
 
     yield simulate
@@ -575,16 +614,8 @@ def test_hook_explicit_choices_win(model_dirs, cuda):
 
 def test_hook_sm90_flashinfer_draft_notes_the_piecewise_engine(model_dirs, cuda, monkeypatch):
     """The recipe's FlashInfer DFlash draft on Hopper: kept, and the line says the engine loses
-    its full CUDA graphs unless flashinfer-cubin is installed (read from the real environment)."""
-    import importlib.util
-
-    lines = cuda((9, 0))
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "flashinfer_cubin" else find_spec(name, *a),
-    )
+    its full CUDA graphs where FlashInfer's XQA kernels cannot load."""
+    lines = cuda((9, 0), trtllm_kernels=False)
     spec_extra = dict(attention_backend="FLASHINFER")
     config = _engine_config(model_dirs["nemotron_h"], model_dirs["dflash"], "dflash", spec_extra)
     assert _backend_name(config.speculative_config.attention_backend) == FLASHINFER
@@ -592,10 +623,19 @@ def test_hook_sm90_flashinfer_draft_notes_the_piecewise_engine(model_dirs, cuda,
     assert "flashinfer-cubin is not installed" in lines[-1], lines[-1]
     assert "piecewise CUDA graphs only, for the target too" in lines[-1]
 
-    monkeypatch.setenv("VLLM_HAS_FLASHINFER_CUBIN", "1")
+    cuda((9, 0), trtllm_kernels=True)
     _engine_config(model_dirs["nemotron_h"], model_dirs["dflash"], "dflash", spec_extra)
     assert "kept as the user chose (speculative_config.attention_backend=FLASHINFER)" in lines[-1]
     assert "piecewise" not in lines[-1], lines[-1]
+
+
+def test_hook_sm100_dflash_without_trtllm_kernels_pins_only_fa4(model_dirs, cuda):
+    lines = cuda((10, 0), trtllm_kernels=False)
+    config = _engine_config(model_dirs["nemotron_h"], model_dirs["dflash"], "dflash")
+    assert config.attention_config.backend is None
+    assert config.attention_config.use_trtllm_attention is None
+    assert _backend_name(config.speculative_config.attention_backend) == FLASH_ATTN
+    assert "TRT-LLM kernels cannot load" in lines[-1], lines[-1]
 
 
 def test_hook_on_cpu_changes_nothing(model_dirs, cuda):

@@ -9,6 +9,7 @@ the rules rest on is listed in docs/attention.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,10 +62,11 @@ class AttentionInputs:
     user_use_trtllm_attention: bool | None = None
     user_draft_backend: str | None = None
     """``speculative_config.attention_backend``."""
-    flashinfer_cubin: bool = False
-    """FlashInfer's precompiled TRT-LLM/XQA kernels are installed (``flashinfer-cubin`` importable
-    or ``VLLM_HAS_FLASHINFER_CUBIN``); without them vLLM uses those kernels only where NVIDIA's
-    artifactory is reachable."""
+    trtllm_kernels: bool = True
+    """FlashInfer's TRT-LLM / XQA kernels can load: vLLM's ``has_nvidia_artifactory``
+    (``flashinfer-cubin`` installed, or NVIDIA's artifactory reachable to download them). Without
+    them FlashInfer has no TRT-LLM attention (SM10x), no attention sinks, and no full CUDA graph
+    for multi-token steps on SM90 / SM12x."""
 
     def __post_init__(self) -> None:
         cap = self.capability
@@ -164,6 +166,8 @@ def _decide_target(inputs: AttentionInputs, major: int) -> tuple[str | None, boo
         return None, None, _vllm_default(major)
     if inputs.batch_invariant:
         return None, None, "vLLM's default (VLLM_BATCH_INVARIANT turns TRT-LLM attention off)"
+    if not inputs.trtllm_kernels:
+        return None, None, f"vLLM's default ({_NO_TRTLLM_KERNELS})"
     unchecked = _kv_dtype_unchecked(inputs.kv_cache_dtype)
     if unchecked:
         return None, None, unchecked
@@ -201,6 +205,10 @@ def _decide_draft(inputs: AttentionInputs, major: int) -> tuple[str | None, str]
             f"{shape} FLASH_ATTN (FA4: non-causal with full CUDA graphs; TRT-LLM kernels are "
             "causal only and FlashInfer's non-causal path runs without full CUDA graphs)"
         )
+    if not inputs.trtllm_kernels:
+        # The pin below needs TRT-LLM (a sink draft: FlashInfer's only sink path on SM10x); a
+        # pinned backend that cannot serve the layer fails start-up, vLLM's own choice does not.
+        return None, f"{shape} vLLM's choice among backends that serve it ({_NO_TRTLLM_KERNELS})"
     if inputs.user_use_trtllm_attention is False:
         return None, (
             f"{shape} vLLM's choice among backends that serve it (use_trtllm_attention=False "
@@ -225,6 +233,11 @@ def _draft_shape(inputs: AttentionInputs) -> str:
         parts.append(f"window {inputs.draft_sliding_window}")
     return f"({', '.join(parts)})"
 
+
+_NO_TRTLLM_KERNELS = (
+    "FlashInfer's TRT-LLM kernels cannot load: flashinfer-cubin is not installed and NVIDIA's "
+    "artifactory is unreachable"
+)
 
 # What a FlashInfer draft without full CUDA graphs costs: vLLM lowers the whole engine's
 # cudagraph_mode to PIECEWISE (the target's graphs too). Measured on an H200 with the recipe's
@@ -252,7 +265,7 @@ def _explicit_draft_caveat(inputs: AttentionInputs, major: int) -> str:
             if inputs.user_use_trtllm_attention is False
             else "VLLM_BATCH_INVARIANT"
             if inputs.batch_invariant
-            else "flashinfer-cubin is not installed and NVIDIA's artifactory may be unreachable"
+            else _NO_TRTLLM_KERNELS
         )
         return (
             f"; note: without FlashInfer's XQA kernels ({why}) a FlashInfer draft has no full "
@@ -264,10 +277,9 @@ def _explicit_draft_caveat(inputs: AttentionInputs, major: int) -> str:
 
 
 def _xqa_decode_available(inputs: AttentionInputs) -> bool:
-    """Whether vLLM can use FlashInfer's XQA decode kernels for the draft, as far as is known at
-    start-up without a network probe (vLLM's own check also tries NVIDIA's artifactory)."""
+    """Whether vLLM can use FlashInfer's XQA decode kernels (SM90 / SM12x) for the draft."""
     return (
-        inputs.flashinfer_cubin
+        inputs.trtllm_kernels
         and inputs.user_use_trtllm_attention is not False
         and not inputs.batch_invariant
     )
@@ -327,7 +339,7 @@ def attention_inputs_from_config(vllm_config: Any) -> AttentionInputs:
                 causal, draft_problem = None, facts
             else:
                 causal, sinks, window = facts
-    return AttentionInputs(
+    inputs = AttentionInputs(
         capability=_cuda_capability(),
         method=method,
         draft_causal=causal,
@@ -342,18 +354,36 @@ def attention_inputs_from_config(vllm_config: Any) -> AttentionInputs:
         user_use_trtllm_attention=attention.use_trtllm_attention,
         user_draft_backend=draft_backend,
         draft_problem=draft_problem,
-        flashinfer_cubin=_flashinfer_cubin_installed(envs),
     )
+    if _reads_trtllm_kernels(inputs):
+        inputs = dataclasses.replace(inputs, trtllm_kernels=_trtllm_kernels_available())
+    return inputs
 
 
-def _flashinfer_cubin_installed(envs: Any) -> bool:
-    """vLLM's ``has_flashinfer_cubin`` without importing FlashInfer: the package is importable or
-    ``VLLM_HAS_FLASHINFER_CUBIN`` says the cubins are there."""
-    import importlib.util
+def _reads_trtllm_kernels(inputs: AttentionInputs) -> bool:
+    """Whether the decision depends on ``trtllm_kernels`` (else it is not probed): a pin that
+    needs TRT-LLM on SM10x (where vLLM's own default, FlashInfer, asks the same question), or the
+    user's FlashInfer draft on SM90 / SM12x."""
+    major = inputs.capability[0] if inputs.capability else None
+    if major == 10:
+        causal_draft_pin = (
+            inputs.method in _BLOCK_DRAFT_METHODS
+            and inputs.user_draft_backend is None
+            and inputs.draft_causal is True
+        )
+        return causal_draft_pin or not _explicit_target_choices(inputs)
+    if major in (9, 12):
+        return inputs.method is not None and inputs.user_draft_backend == FLASHINFER
+    return False
 
-    if getattr(envs, "VLLM_HAS_FLASHINFER_CUBIN", False):
-        return True
-    return importlib.util.find_spec("flashinfer_cubin") is not None
+
+def _trtllm_kernels_available() -> bool:
+    """vLLM's own answer (``has_nvidia_artifactory``, cached per process): ``flashinfer-cubin``
+    installed, else one request to NVIDIA's artifactory, the same vLLM makes for any FlashInfer
+    layer when it builds the engine."""
+    from vllm.utils.flashinfer import has_nvidia_artifactory
+
+    return bool(has_nvidia_artifactory())
 
 
 def apply_attention_choice(vllm_config: Any) -> AttentionDecision:
