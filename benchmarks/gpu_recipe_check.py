@@ -4,6 +4,7 @@
     python3 benchmarks/gpu_recipe_check.py --out DIR                    # H200: ~4-7 minutes
     python3 benchmarks/gpu_recipe_check.py --out DIR --family CACHE     # carried tiny family
     python3 benchmarks/gpu_recipe_check.py --out DIR --device cpu       # CPU: plain vs DSpark
+    python3 benchmarks/gpu_recipe_check.py --out DIR --shape flashinfer # FlashInfer's head sizes
 
 A configuration is ``VARIANT@FLAGS``. Variants: ``plain``; ``dflash`` / ``dspark`` (the tiny
 family's trained drafts, 3 drafted tokens, plugin loaded); ``dflash-upstream`` /
@@ -31,6 +32,12 @@ token compared with plain decoding served with the same flags (first mismatch, a
 server's top-2 logprob gap there: a near-tie or not), ``vllm:prefix_cache_hits`` /
 ``vllm:prefix_cache_queries`` deltas, spec-decode acceptance. A configuration is exact when every
 turn of every conversation equals plain's.
+
+``--shape flashinfer``: the tiny family with the real model's head sizes, for which FlashInfer has
+kernels (attention heads of 128, Mamba heads of 64 with a 128-wide state; the default family's
+32-wide attention and 16-wide Mamba heads have none), its own trained drafts (built and trained on
+first use, ~10 minutes of CPU, under ``CACHE/flashinfer/``), and by default on CUDA the @fp8 and
+@recipe sets with vLLM alone beside the plugin at @recipe.
 
 Writes DIR/recipe_check.json, DIR/recipe_check.md, DIR/logs/<config>.log; prints one verdict line
 (``RECIPE CHECK: PASS ...`` / ``FAIL ...``). Exit 0 when every configuration with the plugin
@@ -74,6 +81,25 @@ DEFAULT_GPU = (
     "plain@fp8,dflash@fp8,dspark@fp8,plain@recipe,dflash@recipe,dspark@recipe"
 )
 DEFAULT_CPU = "plain@base,dspark@base"
+DEFAULT_FLASHINFER_SHAPE = (
+    "plain@fp8,dflash@fp8,dspark@fp8,plain@recipe,dflash@recipe,dspark@recipe,"
+    "dflash-upstream@recipe,dspark-upstream@recipe"
+)
+
+
+def flashinfer_shaped_spec():
+    """The tiny family's parameters with FlashInfer-served head sizes (those of the real model:
+    attention 128, Mamba 64 x state 128); everything else as the default family."""
+    from vllm_nemotron_spec.tiny.build import TinySpec
+    from vllm_nemotron_spec.tiny.drafts import DraftParams
+    from vllm_nemotron_spec.tiny.target import TargetParams
+
+    return TinySpec(
+        target=TargetParams(head_dim=128, mamba_head_dim=64, ssm_state_size=128),
+        draft=DraftParams(head_dim=128),
+    )
+
+
 REFUSAL = re.compile(r"^(ValueError|NotImplementedError|TypeError|vllm serve: error)")
 """A start-up error that is a refusal of the configuration (one line naming what is wrong), not
 a crash."""
@@ -491,6 +517,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
+        "--shape",
+        choices=("tiny", "flashinfer"),
+        default="tiny",
+        help="the tiny family (default) or its FlashInfer-shaped twin; see above",
+    )
+    p.add_argument(
         "--configs",
         default=None,
         help=f"comma list of VARIANT@FLAGS (default CUDA: {DEFAULT_GPU}; CPU: {DEFAULT_CPU})",
@@ -535,7 +567,14 @@ def main(argv=None) -> int:
     args.features = _common.detect_features()
     if args.device == "auto":
         args.device = args.features["device"]
-    configs = parse_configs(args.configs or (DEFAULT_CPU if args.device == "cpu" else DEFAULT_GPU))
+    default = (
+        DEFAULT_CPU
+        if args.device == "cpu"
+        else DEFAULT_FLASHINFER_SHAPE
+        if args.shape == "flashinfer"
+        else DEFAULT_GPU
+    )
+    configs = parse_configs(args.configs or default)
     skipped = []
     if any(c.flags == "recipe" for c in configs) and not (
         args.features["mamba_backend_flag"] and args.features["flashinfer_importable"]
@@ -543,11 +582,15 @@ def main(argv=None) -> int:
         skipped = [c for c in configs if c.flags == "recipe"]
         configs = [c for c in configs if c.flags != "recipe"]
 
-    from vllm_nemotron_spec.tiny.build import ensure_tiny_family
+    from vllm_nemotron_spec.tiny.build import build_tiny_family, ensure_tiny_family
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
     t0 = time.time()
-    family = ensure_tiny_family(seed=0)
+    if args.shape == "flashinfer":  # its own directory: the two families' drafts must not mix
+        root = Path(os.environ["VLLM_NEMOTRON_SPEC_CACHE"]) / "flashinfer" / "tiny-family-seed0"
+        family = build_tiny_family(root, seed=0, spec=flashinfer_shaped_spec())
+    else:
+        family = ensure_tiny_family(seed=0)
     trained = ensure_trained_drafts(family=family)
     family_s = round(time.time() - t0, 1)
     drafts = {"dflash": trained.dflash, "dspark": trained.dspark}
@@ -568,6 +611,7 @@ def main(argv=None) -> int:
             "features": args.features,
             "plugin_entry_point_installed": _common.plugin_installed(),
             "family": str(family.root),
+            "shape": args.shape,
             "family_ready_s": family_s,
             "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
             "workload": f"{args.conversations} conversations at once x {args.turns} turns, first prompt "

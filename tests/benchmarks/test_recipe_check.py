@@ -97,6 +97,33 @@ def test_workload_segments(tiny_family):
     assert len(set(firsts)) == 3  # distinct conversations
 
 
+def test_flashinfer_shaped_family_differs_only_in_head_sizes():
+    """FlashInfer 0.7.2 has no kernel for the default family's heads (attention 32, Mamba 16 with
+    a 16-wide state): its twin takes the real model's head sizes and keeps the rest."""
+    import dataclasses
+
+    from vllm_nemotron_spec.tiny.build import TinySpec
+
+    fi, default = rc.flashinfer_shaped_spec(), TinySpec()
+    assert (fi.target.head_dim, fi.target.mamba_head_dim, fi.target.ssm_state_size) == (
+        128,
+        64,
+        128,
+    )
+    assert fi.draft.head_dim == 128
+    assert (
+        dataclasses.replace(
+            fi,
+            target=dataclasses.replace(
+                fi.target, head_dim=32, mamba_head_dim=16, ssm_state_size=16
+            ),
+            draft=dataclasses.replace(fi.draft, head_dim=32),
+        )
+        == default
+    )
+    assert fi.params_hash() != default.params_hash()  # cached apart
+
+
 def test_parse_configs():
     cfgs = rc.parse_configs("plain@prefix, dspark-upstream@fp8")
     assert [(c.name, c.method, c.plugin) for c in cfgs] == [
