@@ -291,6 +291,18 @@ def test_flashinfer_draft_note_says_when_the_engine_loses_full_cuda_graphs(input
         ), decision.reason
 
 
+def test_a_users_flashinfer_sink_draft_without_trtllm_kernels_is_named():
+    """SM10x, the user's FlashInfer DSpark draft, no TRT-LLM kernels: kept (vLLM will refuse it
+    with its own error), and the line says why first."""
+    decision = resolve_attention_backends(
+        AttentionInputs(
+            capability=SM100, user_draft_backend=FLASHINFER, trtllm_kernels=False, **DSPARK
+        )
+    )
+    assert decision.draft_backend is None
+    assert "sinks only with TRT-LLM kernels, which cannot load here" in decision.reason
+
+
 @pytest.mark.parametrize(
     "inputs, expected",
     [

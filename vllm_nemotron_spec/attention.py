@@ -273,6 +273,12 @@ def _explicit_draft_caveat(inputs: AttentionInputs, major: int) -> str:
         )
     if inputs.draft_has_sinks and inputs.user_use_trtllm_attention is False:
         return "; note: FlashInfer serves sinks only with TRT-LLM kernels, which are turned off"
+    if inputs.draft_has_sinks and not inputs.trtllm_kernels:
+        return (
+            "; note: FlashInfer serves sinks only with TRT-LLM kernels, which cannot load here "
+            "(flashinfer-cubin is not installed and NVIDIA's artifactory is unreachable): vLLM "
+            "will refuse it"
+        )
     return ""
 
 
