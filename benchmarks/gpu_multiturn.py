@@ -29,7 +29,11 @@ one engine): output tok/s (output tokens / wall time of the repeat); TTFT and TP
 (streaming: (last - first token time) / (tokens - 1)) and the server's own means from its
 /metrics histograms (under load the API server may merge several steps' tokens into one chunk);
 mean acceptance length; the prefix-cache hit rate (``vllm:prefix_cache_hits`` /
-``vllm:prefix_cache_queries``, tokens, timed part only); preemptions.
+``vllm:prefix_cache_queries``, tokens, timed part only); preemptions. Before the timed repeats
+of each concurrency, ``--warmup-repeats`` (default 1) untimed ones with their own prompts: the
+first repeat in a server is slower (on the H200 ~30-45% at concurrency 1), and in every pair of
+single servers measured so far the later one on the machine was the faster, whichever arm it was
+(kernels compiled on first use there and read from the cache by later servers).
 
 Time per row on the H200, depth 30 (estimates: start-up ~100-150 s with CUDA graphs, model
 build ~60 s once; each repeat ~5-30 s, most at concurrency 16 and when prefixes miss): ~3-5
@@ -169,6 +173,28 @@ def run_repeat(url: str, model: str, args, vocab: int, conc: int, repeat: int) -
 # servers
 
 
+def measure(url: str, model: str, args, vocab: int, conc: int) -> tuple[dict, list[dict]]:
+    """One concurrency in one server: ``--warmup-repeats`` untimed repeats (their own prompts:
+    negative repeat numbers), then ``--repeats`` timed ones. Returns the median repeat with
+    every repeat's values (``*_all``) and the warm-ups' tok/s, and the timed repeats."""
+    warmups = [
+        run_repeat(url, model, args, vocab, conc, -1 - w) for w in range(args.warmup_repeats)
+    ]
+    reps = [run_repeat(url, model, args, vocab, conc, r) for r in range(args.repeats)]
+    row = gl.median_repeat(reps)
+    for key in (
+        "ttft_ms",
+        "tpot_ms",
+        "prefix_hit_rate",
+        "mean_acceptance_length",
+        "server_ttft_ms",
+        "server_tpot_ms",
+    ):
+        row[f"{key}_all"] = [r.get(key) for r in reps]
+    row["warmup_tok_s"] = [w.get("output_tok_s") for w in warmups]
+    return row, reps
+
+
 def server_args(args, spec) -> list[str]:
     longest = args.prefix_tokens + args.turns * (args.user_tokens + args.output_tokens) + 64
     out = [
@@ -240,19 +266,7 @@ def run_row(args, spec, models: dict, vocab: int, out: Path, name: str) -> dict:
         entry["cache_config"] = _common.snapshot(server.url).cache_config
         entry["concurrency"] = []
         for conc in args.concurrency:
-            reps = [
-                run_repeat(server.url, model, args, vocab, conc, r) for r in range(args.repeats)
-            ]
-            row = gl.median_repeat(reps)
-            for key in (
-                "ttft_ms",
-                "tpot_ms",
-                "prefix_hit_rate",
-                "mean_acceptance_length",
-                "server_ttft_ms",
-                "server_tpot_ms",
-            ):
-                row[f"{key}_all"] = [r.get(key) for r in reps]
+            row, reps = measure(server.url, model, args, vocab, conc)
             entry["concurrency"].append(row)
             print(
                 f"    {spec.name} c={conc}: {row['output_tok_s']} tok/s, TTFT {row['ttft_ms']} ms, "
@@ -477,6 +491,14 @@ def main(argv=None) -> int:
         help="per concurrency, in one engine (default 3; smoke 1)",
     )
     p.add_argument(
+        "--warmup-repeats",
+        type=int,
+        default=None,
+        help="untimed repeats per concurrency before the timed ones (default 1; smoke 0): the "
+        "first repeat in a server runs Triton kernels compiled for its shapes on first use, "
+        "which later servers on the machine read from the cache",
+    )
+    p.add_argument(
         "--prefix-tokens", type=int, default=None, help="shared prefix (default 8192; smoke 256)"
     )
     p.add_argument(
@@ -542,6 +564,7 @@ def main(argv=None) -> int:
     smoke_defaults = {
         "concurrency": [1, 2],
         "repeats": 1,
+        "warmup_repeats": 0,
         "prefix_tokens": 256,
         "turns": 2,
         "user_tokens": 32,
@@ -551,6 +574,7 @@ def main(argv=None) -> int:
     full_defaults = {
         "concurrency": [1, 4, 16],
         "repeats": 3,
+        "warmup_repeats": 1,
         "prefix_tokens": 8192,
         "turns": 3,
         "user_tokens": 256,
@@ -617,6 +641,7 @@ def main(argv=None) -> int:
             "depth",
             "concurrency",
             "repeats",
+            "warmup_repeats",
             "prefix_tokens",
             "turns",
             "user_tokens",

@@ -147,3 +147,26 @@ def test_x_upstream_falls_back_to_the_medians_when_repeats_do_not_pair():
     upstream = _row("dflash5-upstream", [90.0, 100.0], [3.0, 3.1])
     assert mt.paired_ratio(ours["concurrency"][0], upstream["concurrency"][0]) == "1.22"
     assert mt.paired_ratio(ours["concurrency"][0], None) == ""
+
+
+def test_warmup_repeats_run_first_untimed_with_their_own_prompts(monkeypatch):
+    """The first repeat in a server is the slow one (kernels compiled on first use): the warm-ups
+    run before the timed repeats, on prompts of their own (negative repeat numbers), and stay out
+    of the median and the ranges."""
+    import argparse
+
+    calls = []
+
+    def fake_repeat(url, model, args, vocab, conc, repeat):
+        calls.append(repeat)
+        return {"output_tok_s": 10.0 if repeat < 0 else 100.0 + repeat, "tpot_ms": 1.0}
+
+    monkeypatch.setattr(mt, "run_repeat", fake_repeat)
+    args = argparse.Namespace(warmup_repeats=1, repeats=3)
+    row, reps = mt.measure("http://x", "m", args, 1000, 4)
+    assert calls == [-1, 0, 1, 2]
+    assert row["output_tok_s"] == 101.0 and row["output_tok_s_all"] == [100.0, 101.0, 102.0]
+    assert row["warmup_tok_s"] == [10.0] and len(reps) == 3
+    calls.clear()
+    mt.measure("http://x", "m", argparse.Namespace(warmup_repeats=0, repeats=2), 1000, 1)
+    assert calls == [0, 1]
