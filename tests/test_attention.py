@@ -332,6 +332,11 @@ def test_sm10x_pins_needing_trtllm_are_not_made_without_its_kernels(inputs, expe
         (dict(capability=SM120, user_draft_backend=FLASHINFER, **DSPARK), True),
         (dict(capability=SM100), True),
         (dict(capability=SM100, **DFLASH), True),
+        (dict(capability=SM100, batch_invariant=True, **DSPARK), False),  # no rule reads it
+        (
+            dict(capability=SM90, user_draft_backend=FLASHINFER, batch_invariant=True, **DFLASH),
+            False,
+        ),
         (dict(capability=SM100, user_backend="TRITON_ATTN", **DFLASH), False),  # FA4 draft only
         (dict(capability=SM100, user_backend="TRITON_ATTN", **DSPARK), True),  # the draft pin
         (

@@ -234,10 +234,8 @@ def _draft_shape(inputs: AttentionInputs) -> str:
     return f"({', '.join(parts)})"
 
 
-_NO_TRTLLM_KERNELS = (
-    "FlashInfer's TRT-LLM kernels cannot load: flashinfer-cubin is not installed and NVIDIA's "
-    "artifactory is unreachable"
-)
+_NO_CUBINS = "flashinfer-cubin is not installed and NVIDIA's artifactory is unreachable"
+_NO_TRTLLM_KERNELS = f"FlashInfer's TRT-LLM kernels cannot load: {_NO_CUBINS}"
 
 # What a FlashInfer draft without full CUDA graphs costs: vLLM lowers the whole engine's
 # cudagraph_mode to PIECEWISE (the target's graphs too). Measured on an H200 with the recipe's
@@ -276,8 +274,7 @@ def _explicit_draft_caveat(inputs: AttentionInputs, major: int) -> str:
     if inputs.draft_has_sinks and not inputs.trtllm_kernels:
         return (
             "; note: FlashInfer serves sinks only with TRT-LLM kernels, which cannot load here "
-            "(flashinfer-cubin is not installed and NVIDIA's artifactory is unreachable): vLLM "
-            "will refuse it"
+            f"({_NO_CUBINS}): vLLM will refuse it"
         )
     return ""
 
@@ -369,7 +366,10 @@ def attention_inputs_from_config(vllm_config: Any) -> AttentionInputs:
 def _reads_trtllm_kernels(inputs: AttentionInputs) -> bool:
     """Whether the decision depends on ``trtllm_kernels`` (else it is not probed): a pin that
     needs TRT-LLM on SM10x (where vLLM's own default, FlashInfer, asks the same question), or the
-    user's FlashInfer draft on SM90 / SM12x."""
+    user's FlashInfer draft on SM90 / SM12x. With VLLM_BATCH_INVARIANT no rule reads it (nor does
+    vLLM, whose TRT-LLM check returns before the probe)."""
+    if inputs.batch_invariant:
+        return False
     major = inputs.capability[0] if inputs.capability else None
     if major == 10:
         causal_draft_pin = (
