@@ -31,7 +31,9 @@ exact), ``--max-tokens`` output tokens each (ignore_eos). Per configuration and 
 token compared with plain decoding served with the same flags (first mismatch, and the plain
 server's top-2 logprob gap there: a near-tie or not), ``vllm:prefix_cache_hits`` /
 ``vllm:prefix_cache_queries`` deltas, spec-decode acceptance. A configuration is exact when every
-turn of every conversation equals plain's.
+turn of every conversation equals plain's. Where vLLM alone served the same draft with the same
+flags (``dflash-upstream@X`` beside ``dflash@X``), the plugin's outputs and hits are also compared
+with vLLM alone's, token for token.
 
 ``--shape flashinfer``: the tiny family with the real model's head sizes, for which FlashInfer has
 kernels (attention heads of 128, Mamba heads of 64 with a 128-wide state; the default family's
@@ -41,8 +43,10 @@ first use, ~10 minutes of CPU, under ``CACHE/flashinfer/``), and by default on C
 
 Writes DIR/recipe_check.json, DIR/recipe_check.md, DIR/logs/<config>.log; prints one verdict line
 (``RECIPE CHECK: PASS ...`` / ``FAIL ...``). Exit 0 when every configuration with the plugin
-that started is exact and has plain's prefix-cache hits turn for turn (upstream rows and
-refusals are reported, not judged).
+that started is exact and has plain's prefix-cache hits turn for turn, or, where vLLM alone ran
+beside it, has vLLM alone's outputs and hits turn for turn (on the H200 in bf16, speculative
+decoding parts from plain at near-ties with and without the plugin; upstream rows and refusals
+are reported, not judged).
 """
 
 from __future__ import annotations
@@ -254,7 +258,9 @@ def run_workload(
 
 
 def compare(run: dict, plain: dict) -> dict:
-    """Token-for-token comparison with plain's run, turn by turn; with the prefix-cache hits."""
+    """Token-for-token comparison with a reference run (plain decoding's, or vLLM alone's with the
+    same draft), turn by turn; with the prefix-cache hits and, where the reference recorded them,
+    its top-2 logprob gap at each first difference."""
     mismatches, hits_equal = [], []
     for t, (turn, ref) in enumerate(zip(run["turns"], plain["turns"])):
         for c, (ids, ref_ids) in enumerate(zip(turn["outputs"], ref["outputs"])):
@@ -272,7 +278,7 @@ def compare(run: dict, plain: dict) -> dict:
                     "position": pos,
                     "got": ids[pos : pos + 4],
                     "plain": ref_ids[pos : pos + 4],
-                    "plain_top2_logprob_gap": gaps[pos] if pos < len(gaps) else None,
+                    "reference_top2_logprob_gap": gaps[pos] if pos < len(gaps) else None,
                 }
             )
         hits_equal.append(
@@ -284,7 +290,8 @@ def compare(run: dict, plain: dict) -> dict:
         "exact": complete and not mismatches,
         "mismatches": mismatches[:20],
         "num_mismatching_outputs": len(mismatches),
-        "prefix_hits_equal_plain": complete and all(hits_equal),
+        "num_outputs": sum(len(t["outputs"]) for t in run["turns"]),
+        "prefix_hits_equal": complete and all(hits_equal),
         "prefix_hits_equal_per_turn": hits_equal,
     }
 
@@ -411,6 +418,7 @@ COLUMNS = [
     "mismatches (first)",
     "prefix hits / queries per turn",
     "hits = plain",
+    "= vLLM alone (outputs, hits)",
     "acceptance per turn",
     "engine cache",
 ]
@@ -433,7 +441,7 @@ def markdown(result: dict) -> str:
             else (
                 f"{cmp_['num_mismatching_outputs']} (turn {first['turn']} conv "
                 f"{first['conversation']} pos {first['position']}, gap "
-                f"{first['plain_top2_logprob_gap']})"
+                f"{first['reference_top2_logprob_gap']})"
             )
         )
         cc = r.get("cache_config") or {}
@@ -450,8 +458,8 @@ def markdown(result: dict) -> str:
         rows.append(
             f"| {r['name']} | {status.replace('|', '/')} | {r.get('draft_attention') or ''} | "
             f"{r.get('startup_s', '')} | {cmp_.get('exact', '') if r['variant'] != 'plain' else 'reference'} | "
-            f"{first_s} | {hits} | {cmp_.get('prefix_hits_equal_plain', '') if r['variant'] != 'plain' else ''} "
-            f"| {acc} | {cache_s} |"
+            f"{first_s} | {hits} | {cmp_.get('prefix_hits_equal', '') if r['variant'] != 'plain' else ''} "
+            f"| {_as_vllm_alone(r.get('vs_vllm_alone'))} | {acc} | {cache_s} |"
         )
     title = "Recipe check: exactness and prefix-cache hits through `vllm serve`"
     return _common.results_markdown(
@@ -459,28 +467,58 @@ def markdown(result: dict) -> str:
     )
 
 
+def _as_vllm_alone(c: dict | None) -> str:
+    if not c:
+        return ""
+    equal = c["num_outputs"] - c["num_mismatching_outputs"]
+    return f"{equal}/{c['num_outputs']}, {'equal' if c['prefix_hits_equal'] else 'differ'}"
+
+
+def _same_as(c: dict | None) -> bool:
+    return bool(c) and c["exact"] and c["prefix_hits_equal"]
+
+
 def verdict(result: dict) -> tuple[str, bool]:
+    """PASS when every plugin configuration ran and each either equals plain decoding served with
+    the same flags (outputs and prefix hits), or, where vLLM alone ran the same draft with the same
+    flags, equals vLLM alone's outputs and hits token for token. The second is the bar on GPU in
+    bf16, where speculative and plain decoding take other kernel shapes and part at near-ties with
+    or without the plugin; exactness against plain is asserted on CPU in fp32 (the test suite)."""
     judged = [r for r in result["configs"] if r["plugin"] and r["variant"] != "plain"]
-    bad, notes = [], []
+    bad, notes, as_vllm_alone = [], [], []
     for r in result["configs"]:
         if r["status"] != "ok":
             (bad if r["plugin"] and r["status"] != "refused" else notes).append(
                 f"{r['name']} {r['status']}"
             )
     for r in judged:
-        c = r.get("comparison")
-        if r["status"] == "ok" and c is None:
+        c, twin = r.get("comparison"), r.get("vs_vllm_alone")
+        if r["status"] != "ok" or _same_as(c):
+            continue
+        if c is None:
             bad.append(f"{r['name']} has no plain reference")
-        elif c and not c["exact"]:
+        elif _same_as(twin):
+            first = (c.get("mismatches") or [{}])[0]
+            as_vllm_alone.append(
+                f"{r['name']} ({c['num_mismatching_outputs']} outputs differ from plain, first at "
+                f"top-2 gap {first.get('reference_top2_logprob_gap')}"
+                + (", prefix hits differ" if not c["prefix_hits_equal"] else "")
+                + ")"
+            )
+        elif twin:
+            bad.append(
+                f"{r['name']} differs from vLLM alone ({twin['num_mismatching_outputs']} outputs"
+                + (", prefix hits" if not twin["prefix_hits_equal"] else "")
+                + ")"
+            )
+        elif not c["exact"]:
             bad.append(f"{r['name']} NOT EXACT ({c['num_mismatching_outputs']} outputs)")
-        elif c and not c["prefix_hits_equal_plain"]:
+        else:
             bad.append(f"{r['name']} prefix hits differ from plain")
     for r in result["configs"]:
         c = r.get("comparison")
         if not r["plugin"] and c:
-            notes.append(
-                f"{r['name']}: exact={c['exact']} hits=plain:{c['prefix_hits_equal_plain']}"
-            )
+            notes.append(f"{r['name']}: exact={c['exact']} hits=plain:{c['prefix_hits_equal']}")
     off = [
         r["name"]
         for r in result["configs"]
@@ -489,11 +527,16 @@ def verdict(result: dict) -> tuple[str, bool]:
     ]
     if off:  # hits then compare 0 with 0: say so
         notes.append(f"prefix caching asked for but OFF in the engine for {', '.join(off)}")
-    exact = sum(1 for r in judged if (r.get("comparison") or {}).get("exact"))
-    ok = not bad and exact > 0
+    exact = sum(1 for r in judged if r["status"] == "ok" and _same_as(r.get("comparison")))
+    ok = not bad and exact + len(as_vllm_alone) > 0
     text = (
         f"RECIPE CHECK: {'PASS' if ok else 'FAIL'} - {exact}/{len(judged)} plugin configurations exact "
         f"with plain's prefix hits"
+        + (
+            f", {len(as_vllm_alone)} token for token as vLLM alone: {'; '.join(as_vllm_alone)}"
+            if as_vllm_alone
+            else ""
+        )
         + (f"; problems: {'; '.join(bad)}" if bad else "")
         + (f"; notes: {'; '.join(notes)}" if notes else "")
     )
@@ -732,12 +775,15 @@ def main(argv=None) -> int:
                 entry.update(status="ok", turns=run["turns"], cache_config=run["cache_config"])
                 if cfg.variant != "plain" and plain and "turns" in plain:
                     entry["comparison"] = compare(run, plain)
+                twin = runs.get(f"{cfg.variant}-upstream@{flags}") if cfg.plugin else None
+                if twin and "turns" in twin:  # the same draft and flags with vLLM alone
+                    entry["vs_vllm_alone"] = compare(run, twin)
             result["configs"].append(entry)
             c = entry.get("comparison") or {}
             print(
                 f"[{time.time() - t_start:5.0f}s]   {name}: {entry['status']} "
                 f"{'' if entry['status'] == 'ok' else str(entry.get('error'))[:200]}"
-                f"{'exact=' + str(c.get('exact')) + ' hits=plain:' + str(c.get('prefix_hits_equal_plain')) if c else ''} "
+                f"{'exact=' + str(c.get('exact')) + ' hits=plain:' + str(c.get('prefix_hits_equal')) if c else ''} "
                 f"hits/queries {[(t['prefix_cache_hits'], t['prefix_cache_queries']) for t in entry.get('turns', [])]}",
                 flush=True,
             )
