@@ -257,12 +257,12 @@ def run_workload(
     return {"turns": turns, "cache_config": _common.snapshot(server.url).cache_config}
 
 
-def compare(run: dict, plain: dict) -> dict:
+def compare(run: dict, reference: dict) -> dict:
     """Token-for-token comparison with a reference run (plain decoding's, or vLLM alone's with the
     same draft), turn by turn; with the prefix-cache hits and, where the reference recorded them,
     its top-2 logprob gap at each first difference."""
     mismatches, hits_equal = [], []
-    for t, (turn, ref) in enumerate(zip(run["turns"], plain["turns"])):
+    for t, (turn, ref) in enumerate(zip(run["turns"], reference["turns"])):
         for c, (ids, ref_ids) in enumerate(zip(turn["outputs"], ref["outputs"])):
             if ids == ref_ids:
                 continue
@@ -277,7 +277,7 @@ def compare(run: dict, plain: dict) -> dict:
                     "conversation": c,
                     "position": pos,
                     "got": ids[pos : pos + 4],
-                    "plain": ref_ids[pos : pos + 4],
+                    "reference": ref_ids[pos : pos + 4],
                     "reference_top2_logprob_gap": gaps[pos] if pos < len(gaps) else None,
                 }
             )
@@ -285,7 +285,7 @@ def compare(run: dict, plain: dict) -> dict:
             turn["prefix_cache_hits"] == ref["prefix_cache_hits"]
             and turn["prefix_cache_queries"] == ref["prefix_cache_queries"]
         )
-    complete = len(run["turns"]) == len(plain["turns"])
+    complete = len(run["turns"]) == len(reference["turns"])
     return {
         "exact": complete and not mismatches,
         "mismatches": mismatches[:20],
@@ -478,6 +478,20 @@ def _same_as(c: dict | None) -> bool:
     return bool(c) and c["exact"] and c["prefix_hits_equal"]
 
 
+def _differences_from_plain(c: dict) -> str:
+    """How a row that equals vLLM alone differs from plain: its outputs (with plain's top-2 gap at
+    the first difference) and/or its prefix hits, only the clauses that apply."""
+    parts = []
+    if c["num_mismatching_outputs"]:
+        gap = c["mismatches"][0].get("reference_top2_logprob_gap")
+        parts.append(
+            f"{c['num_mismatching_outputs']} outputs differ from plain, first at top-2 gap {gap}"
+        )
+    if not c["prefix_hits_equal"]:
+        parts.append("prefix hits differ from plain")
+    return ", ".join(parts)
+
+
 def verdict(result: dict) -> tuple[str, bool]:
     """PASS when every plugin configuration ran and each either equals plain decoding served with
     the same flags (outputs and prefix hits), or, where vLLM alone ran the same draft with the same
@@ -498,13 +512,7 @@ def verdict(result: dict) -> tuple[str, bool]:
         if c is None:
             bad.append(f"{r['name']} has no plain reference")
         elif _same_as(twin):
-            first = (c.get("mismatches") or [{}])[0]
-            as_vllm_alone.append(
-                f"{r['name']} ({c['num_mismatching_outputs']} outputs differ from plain, first at "
-                f"top-2 gap {first.get('reference_top2_logprob_gap')}"
-                + (", prefix hits differ" if not c["prefix_hits_equal"] else "")
-                + ")"
-            )
+            as_vllm_alone.append(f"{r['name']} ({_differences_from_plain(c)})")
         elif twin:
             bad.append(
                 f"{r['name']} differs from vLLM alone ({twin['num_mismatching_outputs']} outputs"

@@ -131,7 +131,12 @@ def test_verdict_accepts_a_draft_that_parts_from_plain_exactly_as_vllm_alone_doe
     text, passed = rc.verdict(rows(ok))
     assert passed, text
     assert "0/1 plugin configurations exact" in text and "1 token for token as vLLM alone" in text
-    assert "first at top-2 gap 0.0, prefix hits differ" in text
+    assert (
+        "2 outputs differ from plain, first at top-2 gap 0.0, prefix hits differ from plain" in text
+    )
+    hits_only = dict(parted, exact=True, num_mismatching_outputs=0, mismatches=[])
+    text, passed = rc.verdict({"configs": [dict(rows(ok)["configs"][0], comparison=hits_only)]})
+    assert passed and "dspark@recipe (prefix hits differ from plain)" in text, text
     assert rc._as_vllm_alone(ok) == "16/16, equal"
     one_off = dict(ok, exact=False, num_mismatching_outputs=1)
     text, passed = rc.verdict(rows(one_off))
