@@ -63,7 +63,9 @@ position i (1-based) is a^i and L = 1 + sum_{i=1..n} a^i, solved for a by bisect
 DFlash 3.18@5, a = 0.7588 for DSpark 3.69@7). DSpark with 3 drafts keeps the 7-draft a (same
 draft quality, fewer positions): L = 1 + a + a^2 + a^3 = 2.77. (vLLM's own
 ``synthetic_acceptance_length`` would use a minimum-variance schedule [1, 1, frac, 0, ...]
-instead, which makes every step accept the same count.)
+instead, which makes every step accept the same count.) Every request carries a seed of its
+own, the same in every run: the V2 runner draws synthetic acceptance from the request's seed
+and the token's position, so every row and repeat accepts the same drafts.
 
 Environment on the GPU machine: ``source .gpu-bundle/device-setup.sh`` and
 ``pip install --no-deps --no-build-isolation --no-index -e .`` (the "ours" runs need the
@@ -938,14 +940,25 @@ def child_main(spec_file: str) -> int:
                 for _ in range(n)
             ]
 
-        def params(max_tokens):
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False
-            )
+        def params(max_tokens, n, first_seed):
+            # A seed per request, the same in every run: vLLM 0.33's V2 runner draws synthetic
+            # acceptance from (seed, position), and from a random seed where none is given.
+            return [
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    detokenize=False,
+                    seed=first_seed + i,
+                )
+                for i in range(n)
+            ]
 
         t0 = time.perf_counter()
         llm.generate(
-            prompts(max(spec["concurrency"]), 999), params(spec["warmup_tokens"]), use_tqdm=False
+            prompts(max(spec["concurrency"]), 999),
+            params(spec["warmup_tokens"], max(spec["concurrency"]), 999_000),
+            use_tqdm=False,
         )
         result["warmup_s"] = round(time.perf_counter() - t0, 1)
 
@@ -959,7 +972,9 @@ def child_main(spec_file: str) -> int:
                         HostProfile(spec["py_spy"], host.engine_core_pid(), profile)
                     )
                 t0 = time.perf_counter()
-                outs = llm.generate(prompts(conc, conc), params(out_len), use_tqdm=False)
+                outs = llm.generate(
+                    prompts(conc, conc), params(out_len, conc, 1000 * conc), use_tqdm=False
+                )
                 wall = time.perf_counter() - t0
             step_timing = (
                 DraftStepTimer.per_step(timed_before, timer.snapshot(), wall) if timer else {}

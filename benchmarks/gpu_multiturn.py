@@ -22,7 +22,9 @@ Workload per concurrency C (default 1, 4, 16) and repeat: C clients, each a conv
 ``--turns`` turns; every prompt starts with the same ``--prefix-tokens`` random tokens (a fresh
 prefix per repeat, sent once before the timed part, as an agent's system prompt and tools
 would already be cached), then that conversation's history: ``--user-tokens`` new tokens a turn
-and the previous answers (``--output-tokens`` each, greedy, ignore_eos). Defaults: 8192-token
+and the previous answers (``--output-tokens`` each, greedy, ignore_eos, each request with a
+seed of its own, the same in every server: synthetic acceptance then accepts the same drafts
+in every row). Defaults: 8192-token
 prefix, 3 turns of 256 user + 128 output tokens: ~90% or more of each prompt is reusable.
 Reported per row and concurrency (median repeat by output tok/s, range of all repeats, all in
 one engine): output tok/s (output tokens / wall time of the repeat); TTFT and TPOT, client side
@@ -43,7 +45,9 @@ reused (``--force`` reruns). ``--smoke`` (CPU, tiny widths, 2 short turns, concu
 1 repeat, no recipe flags: prefix caching's CPU state copies are slow) runs every code path in
 ~2-3 minutes; on CPU the upstream rows fail (no NVFP4 kernel on CPU) and are recorded.
 
-Writes DIR/multiturn.json, DIR/multiturn.md, DIR/logs/<row>.log, DIR/runs/<row>.json.
+Writes DIR/multiturn.json, DIR/multiturn.md, DIR/logs/<server>.log, DIR/runs/<server>.json
+(<server>: the row, or row-k for its k-th server; a server's measured concurrencies are
+written there as each ends, so a killed run keeps them).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import sys
 import threading
 import time
 import traceback
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,13 +91,17 @@ SMOKE_MUST = ("plain", "dflash5-ours")  # what must run on CPU (gpu_lightning's 
 # client
 
 
-def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> dict:
-    """One streaming greedy completion; token ids with their arrival times."""
+def stream_tokens(
+    url: str, model: str, prompt: list[int], max_tokens: int, timeout: float, seed: int = 0
+) -> dict:
+    """One streaming greedy completion; token ids with their arrival times. ``seed``: the
+    request's own seed, from which vLLM 0.33's V2 runner draws synthetic acceptance."""
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
+        "seed": seed,
         "ignore_eos": True,
         "stream": True,
         "return_token_ids": True,
@@ -118,6 +127,16 @@ def stream_tokens(url: str, model: str, prompt: list[int], max_tokens: int, time
     }
 
 
+def request_seed(repeat: int, conc: int, client: int, turn: int) -> int:
+    """The seed of one request, the same in every server. vLLM 0.33's V2 runner accepts draft i
+    of a greedy request in synthetic mode iff ``rand(seed, position) < rate[i]``, with the seed
+    drawn at random per request where none is given: unseeded, two servers given the same prompts
+    accept different counts (measured acceptance 3.67 and 3.98 at concurrency 1 for the same
+    DSpark 7 rates), and tokens/s follows that, not the servers' speed. Seeded, every server
+    accepts the same drafts step by step."""
+    return zlib.crc32(f"{repeat}/{conc}/{client}/{turn}".encode())
+
+
 def run_repeat(url: str, model: str, args, vocab: int, conc: int, repeat: int) -> dict:
     """``conc`` conversations at once over a fresh shared prefix; see the module doc."""
     rng = random.Random(1000 * repeat + 7)
@@ -131,10 +150,15 @@ def run_repeat(url: str, model: str, args, vocab: int, conc: int, repeat: int) -
         crng = random.Random(f"{repeat}-{conc}-{c}")
         history: list[int] = []
         try:
-            for _ in range(args.turns):
+            for turn in range(args.turns):
                 history += [crng.randrange(10, vocab) for _ in range(args.user_tokens)]
                 rec = stream_tokens(
-                    url, model, prefix + history, args.output_tokens, args.request_timeout
+                    url,
+                    model,
+                    prefix + history,
+                    args.output_tokens,
+                    args.request_timeout,
+                    seed=request_seed(repeat, conc, c, turn),
                 )
                 history += rec["ids"]
                 with lock:
@@ -248,7 +272,8 @@ def run_row(args, spec, models: dict, vocab: int, out: Path, name: str) -> dict:
     sc = speculative_config(args, spec, models)
     sargs = server_args(args, spec)
     entry.update(server_args=sargs, speculative_config=sc)
-    log = out / "logs" / f"{name}.log"
+    log = out / "logs" / f"{file_stem(name)}.log"
+    progress = out / "runs" / f"{file_stem(name)}.json"
     t0 = time.time()
     server = _common.launch(
         models["target"],
@@ -268,6 +293,8 @@ def run_row(args, spec, models: dict, vocab: int, out: Path, name: str) -> dict:
         for conc in args.concurrency:
             row, reps = measure(server.url, model, args, vocab, conc)
             entry["concurrency"].append(row)
+            # What is measured survives a kill (a command's time limit): not "ok", so rerun.
+            progress.write_text(json.dumps(dict(entry, status=f"partial: concurrency {conc} done")))
             print(
                 f"    {spec.name} c={conc}: {row['output_tok_s']} tok/s, TTFT {row['ttft_ms']} ms, "
                 f"TPOT {row['tpot_ms']} ms, acceptance {row.get('mean_acceptance_length')}, "
@@ -331,8 +358,8 @@ COLUMNS = [
 NOTE = (
     "Median repeat by output tok/s, [min-max] over the repeats in one engine. x upstream: the "
     'same row with vLLM alone (VLLM_PLUGINS=""); x plain / x upstream are the median [min-max] of '
-    "the repeat-by-repeat ratios (repeat k sends the same prompts to every server and, with "
-    "synthetic acceptance, draws the same accept/reject sequence), not a ratio of two medians, "
+    "the repeat-by-repeat ratios (repeat k sends the same prompts with the same request seeds to "
+    "every server, so synthetic acceptance accepts the same drafts), not a ratio of two medians, "
     "which can pick repeats of different acceptance. Prefix hit rate: prefix-cache hit tokens / "
     "queried tokens over the timed turns (the shared prefix was sent once before them). Hits / "
     "reachable: hit tokens / the most that whole blocks of the row's block size allow (Mamba align "
@@ -371,6 +398,12 @@ def _hits_over_reachable(run: dict, c: dict) -> float | None:
 def instance_name(row: str, instance: int, instances: int) -> str:
     """``row`` with one server, else ``row#k`` (k from 1) for its k-th server."""
     return row if instances == 1 else f"{row}#{instance + 1}"
+
+
+def file_stem(name: str) -> str:
+    """A server's name as its files are named (``row-k``, not ``row#k``): the GPU machine's
+    transfer brings back no file whose name holds a ``#``."""
+    return name.replace("#", "-")
 
 
 def _upstream_row(row: str) -> str | None:
@@ -661,7 +694,7 @@ def main(argv=None) -> int:
     for row, instance in order:
         spec = ROWS[row]
         name = instance_name(row, instance, args.instances)
-        kept = out / "runs" / f"{name}.json"
+        kept = out / "runs" / f"{file_stem(name)}.json"
         previous = json.loads(kept.read_text()) if kept.is_file() else None
         if (
             previous

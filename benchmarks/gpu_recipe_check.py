@@ -478,17 +478,19 @@ def _same_as(c: dict | None) -> bool:
     return bool(c) and c["exact"] and c["prefix_hits_equal"]
 
 
-def _differences_from_plain(c: dict) -> str:
-    """How a row that equals vLLM alone differs from plain: its outputs (with plain's top-2 gap at
-    the first difference) and/or its prefix hits, only the clauses that apply."""
+def _differences(c: dict, reference: str) -> str:
+    """How a row differs from ``reference`` (plain or vLLM alone): its outputs (with the
+    reference's top-2 gap at the first difference, where recorded) and/or its prefix hits, only
+    the clauses that apply."""
     parts = []
     if c["num_mismatching_outputs"]:
-        gap = c["mismatches"][0].get("reference_top2_logprob_gap")
+        gap = (c.get("mismatches") or [{}])[0].get("reference_top2_logprob_gap")
         parts.append(
-            f"{c['num_mismatching_outputs']} outputs differ from plain, first at top-2 gap {gap}"
+            f"{c['num_mismatching_outputs']} outputs differ from {reference}"
+            + ("" if gap is None else f", first at top-2 gap {gap}")
         )
     if not c["prefix_hits_equal"]:
-        parts.append("prefix hits differ from plain")
+        parts.append(f"prefix hits differ from {reference}")
     return ", ".join(parts)
 
 
@@ -512,17 +514,12 @@ def verdict(result: dict) -> tuple[str, bool]:
         if c is None:
             bad.append(f"{r['name']} has no plain reference")
         elif _same_as(twin):
-            as_vllm_alone.append(f"{r['name']} ({_differences_from_plain(c)})")
+            as_vllm_alone.append(f"{r['name']} ({_differences(c, 'plain')})")
         elif twin:
-            bad.append(
-                f"{r['name']} differs from vLLM alone ({twin['num_mismatching_outputs']} outputs"
-                + (", prefix hits" if not twin["prefix_hits_equal"] else "")
-                + ")"
-            )
-        elif not c["exact"]:
-            bad.append(f"{r['name']} NOT EXACT ({c['num_mismatching_outputs']} outputs)")
+            bad.append(f"{r['name']} ({_differences(twin, 'vLLM alone')})")
         else:
-            bad.append(f"{r['name']} prefix hits differ from plain")
+            exact = "" if c["exact"] else " NOT EXACT"
+            bad.append(f"{r['name']}{exact} ({_differences(c, 'plain')})")
     for r in result["configs"]:
         c = r.get("comparison")
         if not r["plugin"] and c:

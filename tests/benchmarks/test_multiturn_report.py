@@ -4,6 +4,7 @@ with the same-numbered server of the other rows, and the rows are summarised acr
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -170,3 +171,85 @@ def test_warmup_repeats_run_first_untimed_with_their_own_prompts(monkeypatch):
     calls.clear()
     mt.measure("http://x", "m", argparse.Namespace(warmup_repeats=0, repeats=2), 1000, 1)
     assert calls == [0, 1]
+
+
+def test_every_request_carries_a_seed_that_is_the_same_in_every_server(monkeypatch):
+    """vLLM 0.33's V2 runner draws synthetic acceptance from the request's seed and the token's
+    position, and gives an unseeded request a random seed: without a seed per request two servers
+    of one row accept different counts. Each timed request gets its own seed, and a second server
+    sent the same repeat gets the same seeds for the same prompts."""
+    import argparse
+
+    def one_server():
+        sent = []
+
+        def fake_stream(url, model, prompt, max_tokens, timeout, seed=None):
+            sent.append((tuple(prompt), max_tokens, seed))
+            return {"ids": [7] * max_tokens, "ttft_s": 0.01, "tpot_s": 0.001}
+
+        monkeypatch.setattr(mt, "stream_tokens", fake_stream)
+        snap = argparse.Namespace(minus=lambda before: argparse.Namespace(to_json=lambda: {}))
+        monkeypatch.setattr(mt._common, "settled_snapshot", lambda url, settle_s=0.0: snap)
+        args = argparse.Namespace(
+            prefix_tokens=16, turns=3, user_tokens=4, output_tokens=5, request_timeout=1.0
+        )
+        mt.run_repeat("http://x", "m", args, 1000, 2, 0)
+        return sent
+
+    first, second = one_server(), one_server()
+    timed = [s for s in first if s[1] == 5]
+    assert len(timed) == 6  # 2 conversations x 3 turns
+    assert len({seed for _, _, seed in timed}) == 6
+    assert all(isinstance(seed, int) for _, _, seed in timed)
+    assert sorted(first) == sorted(second)  # the same prompts with the same seeds
+    assert mt.request_seed(0, 2, 1, 2) != mt.request_seed(1, 2, 1, 2)
+
+
+def test_server_files_carry_no_hash_and_keep_what_a_killed_run_measured(monkeypatch, tmp_path):
+    """The GPU machine's transfer drops files named with a ``#``: a server's log and result are
+    named ``row-k``. Each concurrency is written there as it ends, with a status that is not
+    "ok" (a later invocation reruns the server), so a run killed at its time limit keeps them."""
+    import argparse
+
+    assert mt.file_stem("dspark7-ours#2") == "dspark7-ours-2"
+    assert mt.file_stem("plain") == "plain"
+
+    class Server:
+        url, started_s = "http://x", 1.0
+
+        def stop(self):
+            pass
+
+    class Killed(BaseException):  # as the command's time limit: not caught as an Exception
+        pass
+
+    seen = []
+
+    def fake_measure(url, model, args, vocab, conc):
+        if conc == 4:
+            seen.append(json.loads((tmp_path / "runs" / "dspark7-ours-2.json").read_text()))
+            raise Killed
+        return {"output_tok_s": 10.0, "ttft_ms": 1.0, "tpot_ms": 1.0, "prefix_cache_hits": 0,
+                "prefix_cache_queries": 0}, [{"errors": []}]  # fmt: skip
+
+    monkeypatch.setattr(mt, "measure", fake_measure)
+    monkeypatch.setattr(mt, "speculative_config", lambda args, spec, models: None)
+    monkeypatch.setattr(mt, "server_args", lambda args, spec: [])
+    monkeypatch.setattr(mt, "stream_tokens", lambda *a, **k: {})
+    monkeypatch.setattr(mt._common, "launch", lambda *a, **k: Server())
+    monkeypatch.setattr(mt._common, "served_model", lambda url: "m")
+    monkeypatch.setattr(mt._common, "snapshot", lambda url: argparse.Namespace(cache_config={}))
+    monkeypatch.setattr(mt.serve, "wait_ready", lambda server, timeout: None)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "logs").mkdir()
+    args = argparse.Namespace(
+        concurrency=[1, 4], start_timeout=1, request_timeout=1, smoke=False, launcher="auto"
+    )
+    spec = mt.ROWS["dspark7-ours"]
+    try:
+        mt.run_row(args, spec, {"target": "t"}, 1000, tmp_path, "dspark7-ours#2")
+    except Killed:
+        pass
+    assert len(seen) == 1
+    assert seen[0]["status"] == "partial: concurrency 1 done"
+    assert [c["output_tok_s"] for c in seen[0]["concurrency"]] == [10.0]

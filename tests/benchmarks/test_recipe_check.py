@@ -140,12 +140,15 @@ def test_verdict_accepts_a_draft_that_parts_from_plain_exactly_as_vllm_alone_doe
     assert rc._as_vllm_alone(ok) == "16/16, equal"
     one_off = dict(ok, exact=False, num_mismatching_outputs=1)
     text, passed = rc.verdict(rows(one_off))
-    assert not passed and "dspark@recipe differs from vLLM alone (1 outputs)" in text
+    assert not passed and "dspark@recipe (1 outputs differ from vLLM alone)" in text, text
     assert rc._as_vllm_alone(one_off) == "15/16, equal"
     text, passed = rc.verdict(rows(dict(ok, prefix_hits_equal=False)))
-    assert not passed and "differs from vLLM alone (0 outputs, prefix hits)" in text
+    assert not passed and "dspark@recipe (prefix hits differ from vLLM alone)" in text, text
     text, passed = rc.verdict(rows(None))  # no vLLM alone beside it: plain is the only bar
-    assert not passed and "dspark@recipe NOT EXACT (2 outputs)" in text
+    assert (
+        not passed
+        and "dspark@recipe NOT EXACT (2 outputs differ from plain, first at top-2 gap 0.0, " in text
+    )
 
 
 def test_workload_segments(tiny_family):
