@@ -31,7 +31,8 @@ one engine): output tok/s (output tokens / wall time of the repeat); TTFT and TP
 (streaming: (last - first token time) / (tokens - 1)) and the server's own means from its
 /metrics histograms (under load the API server may merge several steps' tokens into one chunk);
 mean acceptance length; the prefix-cache hit rate (``vllm:prefix_cache_hits`` /
-``vllm:prefix_cache_queries``, tokens, timed part only); preemptions. Before the timed repeats
+``vllm:prefix_cache_queries``, tokens, timed part only); preemptions; and any plugin server
+whose acceptance differs from its vLLM-alone twin's (the drafts differ). Before the timed repeats
 of each concurrency, ``--warmup-repeats`` (default 1) untimed ones with their own prompts: the
 first repeat in a server is slower (on the H200 ~30-45% at concurrency 1), and in every pair of
 single servers measured so far the later one on the machine was the faster, whichever arm it was
@@ -466,6 +467,31 @@ def across_instances(runs: list[dict]) -> list[str]:
     return lines
 
 
+def acceptance_differences(runs: list[dict]) -> list[str]:
+    """Markdown lines naming each plugin server whose acceptance, repeat by repeat, differs from
+    the same-numbered vLLM-alone server's. With seeded requests synthetic acceptance draws the
+    same accept/reject sequence in both, so a difference means the drafts differ (a placeholder
+    draft is rejected whatever the draw)."""
+    by_name = {r["name"]: r for r in runs}
+    found = []
+    for r in runs:
+        row = r.get("row", r["name"])
+        upstream = _upstream_row(row)
+        twin = by_name.get(upstream + r["name"][len(row) :]) if upstream else None
+        for c in r.get("concurrency") or []:
+            a = c.get("mean_acceptance_length_all")
+            b = (_conc_row(twin, c["concurrency"]) or {}).get("mean_acceptance_length_all")
+            if a and b and a != b:
+                found.append(f"{r['name']} at {c['concurrency']}: {a} against {b}")
+    if not found:
+        return []
+    return [
+        "",
+        "Acceptance per repeat differs from vLLM alone's server (equal with seeded requests "
+        "unless the drafts differ): " + "; ".join(found) + ".",
+    ]
+
+
 def markdown(result: dict) -> str:
     rows = []
     by_name = {r["name"]: r for r in result["runs"]}
@@ -497,7 +523,9 @@ def markdown(result: dict) -> str:
                 f"{c.get('preemptions', '')} | {r.get('startup_s', '')} | {r['status']} |"
             )
     title = "Multi-turn serving benchmark (vllm serve, recipe cache flags, Lightning widths)"
-    note = "\n".join([NOTE, *across_instances(result["runs"])])
+    note = "\n".join(
+        [NOTE, *across_instances(result["runs"]), *acceptance_differences(result["runs"])]
+    )
     return _common.results_markdown(title, result["setup"], COLUMNS, rows, note)
 
 
@@ -657,7 +685,8 @@ def main(argv=None) -> int:
             or "no",
             "acceptance": "standard rejection sampling (CPU)"
             if args.smoke
-            else "synthetic: position i accepted with rate a^i, 1 + sum a^i = NVIDIA's expected length",
+            else "synthetic: position i accepted with rate a^i, 1 + sum a^i = NVIDIA's expected "
+            "length; every request seeded (request_seed), the same in every server",
             "cuda_graphs": not (args.eager or args.smoke),
             "plugin_entry_point_installed": have_plugin,
         },

@@ -253,3 +253,32 @@ def test_server_files_carry_no_hash_and_keep_what_a_killed_run_measured(monkeypa
     assert len(seen) == 1
     assert seen[0]["status"] == "partial: concurrency 1 done"
     assert [c["output_tok_s"] for c in seen[0]["concurrency"]] == [10.0]
+
+
+def test_acceptance_that_differs_from_vllm_alones_server_is_named():
+    """Seeded requests draw the same synthetic accept/reject sequence in every server: a plugin
+    server whose per-repeat acceptance differs from its vLLM-alone twin's is named in the
+    report; equal acceptance adds nothing."""
+
+    def server(row, k, accs):
+        return {
+            "name": mt.instance_name(row, k, 2),
+            "row": row,
+            "status": "ok",
+            "concurrency": [
+                {"concurrency": 1, "output_tok_s": 100.0, "mean_acceptance_length_all": accs}
+            ],
+        }
+
+    same = [
+        server("dspark7-upstream", 0, [3.67, 3.97]),
+        server("dspark7-ours", 0, [3.67, 3.97]),
+        server("dspark7-upstream", 1, [3.67, 3.97]),
+        server("dspark7-ours", 1, [3.67, 3.97]),
+    ]
+    assert mt.acceptance_differences(same) == []
+    differ = same[:3] + [server("dspark7-ours", 1, [3.5, 3.97])]
+    lines = mt.acceptance_differences(differ)
+    assert len(lines) == 2 and "dspark7-ours#2 at 1: [3.5, 3.97] against [3.67, 3.97]" in lines[1]
+    assert "dspark7-ours#1" not in lines[1]
+    assert mt.acceptance_differences([server("plain", 0, None)]) == []
