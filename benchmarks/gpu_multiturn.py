@@ -412,6 +412,15 @@ def _upstream_row(row: str) -> str | None:
     return row.replace("-ours", "-upstream") if row.endswith("-ours") else None
 
 
+def _same_numbered(by_name: dict, run: dict, other_row: str | None) -> dict | None:
+    """The server of ``other_row`` with ``run``'s number (``#k``; none with one server a row):
+    the one ``run`` is compared with."""
+    if other_row is None:
+        return None
+    row = run.get("row", run["name"])
+    return by_name.get(other_row + run["name"][len(row) :])
+
+
 def _conc_row(run: dict | None, conc: int) -> dict | None:
     for c in (run or {}).get("concurrency") or []:
         if c["concurrency"] == conc:
@@ -475,9 +484,7 @@ def acceptance_differences(runs: list[dict]) -> list[str]:
     by_name = {r["name"]: r for r in runs}
     found = []
     for r in runs:
-        row = r.get("row", r["name"])
-        upstream = _upstream_row(row)
-        twin = by_name.get(upstream + r["name"][len(row) :]) if upstream else None
+        twin = _same_numbered(by_name, r, _upstream_row(r.get("row", r["name"])))
         for c in r.get("concurrency") or []:
             a = c.get("mean_acceptance_length_all")
             b = (_conc_row(twin, c["concurrency"]) or {}).get("mean_acceptance_length_all")
@@ -502,12 +509,10 @@ def markdown(result: dict) -> str:
             rows.append(f"| {r['name']} | | | | | | | | | | | | {r.get('startup_s', '')} | {err} |")
             continue
         row = r.get("row", r["name"])
-        suffix = r["name"][len(row) :]  # "#k": compared with the k-th server of the other rows
         for c in r["concurrency"]:
             t = c.get("output_tok_s")
-            base = _conc_row(by_name.get("plain" + suffix), c["concurrency"])
-            upstream = _upstream_row(row)
-            up = _conc_row(by_name.get(upstream + suffix), c["concurrency"]) if upstream else None
+            base = _conc_row(_same_numbered(by_name, r, "plain"), c["concurrency"])
+            up = _conc_row(_same_numbered(by_name, r, _upstream_row(row)), c["concurrency"])
             acc = c.get("mean_acceptance_length")
             exp = r.get("expected_acceptance_length")
             hit = c.get("prefix_hit_rate")
