@@ -432,22 +432,50 @@ def _tok_s(run: dict | None, conc: int) -> float | None:
     return (_conc_row(run, conc) or {}).get("output_tok_s")
 
 
-def paired_ratio(row: dict, base: dict | None) -> str:
-    """``row`` over ``base`` in tokens/s, repeat by repeat: the median ratio [min-max] (repeat k
-    of both servers ran the same workload), or the ratio of the medians when the repeats do not
-    pair up (a different repeat count, a failed repeat)."""
-    if not base or not row.get("output_tok_s") or not base.get("output_tok_s"):
-        return ""
+def _repeat_ratios(row: dict, base: dict) -> list[float] | None:
+    """``row`` over ``base`` in tokens/s, repeat k against repeat k (both servers ran the same
+    workload with the same seeds), or None when the repeats do not pair up (a different repeat
+    count, a failed repeat)."""
     a, b = row.get("output_tok_s_all") or [], base.get("output_tok_s_all") or []
     if len(a) != len(b) or len(a) < 2 or not all(a) or not all(b):
-        return f"{row['output_tok_s'] / base['output_tok_s']:.2f}"
-    ratios = [x / y for x, y in zip(a, b)]
+        return None
+    return [x / y for x, y in zip(a, b)]
+
+
+def _median_range(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
+def paired_ratio(row: dict, base: dict | None) -> str:
+    """``row`` over ``base`` in tokens/s: the median [min-max] of the repeat-by-repeat ratios, or
+    the ratio of the medians when the repeats do not pair up."""
+    if not base or not row.get("output_tok_s") or not base.get("output_tok_s"):
+        return ""
+    ratios = _repeat_ratios(row, base)
+    if ratios is None:
+        return f"{row['output_tok_s'] / base['output_tok_s']:.2f}"
+    return _median_range(ratios)
+
+
+def _pooled_ratio(runs: list[dict], by_name: dict, conc: int) -> str | None:
+    """A plugin row's servers over their same-numbered vLLM-alone servers at ``conc``: the
+    median [min-max] of every repeat pair of every server, or None unless every server pairs."""
+    pooled = []
+    for r in runs:
+        mine = _conc_row(r, conc)
+        twin = _conc_row(_same_numbered(by_name, r, _upstream_row(r.get("row", r["name"]))), conc)
+        ratios = _repeat_ratios(mine, twin) if mine and twin else None
+        if ratios is None:
+            return None
+        pooled += ratios
+    return _median_range(pooled) if pooled else None
 
 
 def across_instances(runs: list[dict]) -> list[str]:
     """Markdown lines: per row with several servers and per concurrency, the median of the
-    servers' median tok/s with their range, and the plugin's median over vLLM alone's."""
+    servers' median tok/s with their range, and the plugin's over vLLM alone's: the median
+    [min-max] of all its servers' repeat pairs, else the ratio of the two medians."""
+    by_name = {r["name"]: r for r in runs}
     by_row: dict[str, list[dict]] = {}
     for r in runs:
         if r.get("concurrency"):
@@ -462,14 +490,17 @@ def across_instances(runs: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "Across servers (median of the servers' medians [min-max], servers):",
+        "Across servers (median of the servers' medians [min-max], servers; x upstream: the "
+        "median [min-max] of every repeat pair of every server, as in the rows above):",
         "",
         "| row | conc | output tok/s | x upstream | servers |",
         "|---|---|---|---|---|",
     ]
     for (row, conc), (med, vals) in medians.items():
         up = medians.get((_upstream_row(row), conc))
-        ratio = f"{med / up[0]:.2f}" if up else ""
+        ratio = ""
+        if up:
+            ratio = _pooled_ratio(by_row[row], by_name, conc) or f"{med / up[0]:.2f}"
         lines.append(
             f"| {row} | {conc} | {med:.1f} [{min(vals):.0f}-{max(vals):.0f}] | {ratio} | {len(vals)} |"
         )

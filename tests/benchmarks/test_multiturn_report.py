@@ -282,3 +282,41 @@ def test_acceptance_that_differs_from_vllm_alones_server_is_named():
     assert len(lines) == 2 and "dspark7-ours#2 at 1: [3.5, 3.97] against [3.67, 3.97]" in lines[1]
     assert "dspark7-ours#1" not in lines[1]
     assert mt.acceptance_differences([server("plain", 0, None)]) == []
+
+
+def test_seeded_h200_pairs_accept_alike_and_pool_every_repeat_pair():
+    """The seeded DFlash 5 pairs measured on the H200: every server drew the same acceptance per
+    repeat, and the across-servers ratio pools the six repeat pairs (0.95 at concurrency 1) where
+    the ratio of the servers' medians would say 0.96."""
+    stored = _PATH.parent / "results" / "2026-12-03-h200-seeded-pairs" / "dflash5.json"
+    result = json.loads(stored.read_text())
+    assert mt.acceptance_differences(result["runs"]) == []
+    lines = mt.markdown(result).splitlines()
+    assert "| dflash5-ours | 1 | 541.5 [525-558] | 0.95 [0.86-1.07] | 2 |" in lines
+    assert "| dflash5-ours | 4 | 1008.1 [992-1024] | 0.99 [0.93-1.09] | 2 |" in lines
+
+
+def test_pooled_ratio_needs_every_server_paired():
+    """One server whose repeats do not pair (a failed repeat) turns the pooled ratio back into
+    the ratio of the servers' medians."""
+
+    def server(row, k, tok_s):
+        c = {"concurrency": 1, "output_tok_s": sorted(tok_s)[len(tok_s) // 2]}
+        c["output_tok_s_all"] = tok_s
+        return {"name": mt.instance_name(row, k, 2), "row": row, "status": "ok", "concurrency": [c]}
+
+    runs = [
+        server("dspark7-upstream", 0, [100.0, 100.0, 100.0]),
+        server("dspark7-ours", 0, [110.0, 90.0, 100.0]),
+        server("dspark7-upstream", 1, [200.0, 200.0, 200.0]),
+        server("dspark7-ours", 1, [220.0, 240.0, 200.0]),
+    ]
+    assert (
+        "| dspark7-ours | 1 | 160.0 [100-220] | 1.05 [0.90-1.20] | 2 |"
+        in mt.markdown({"setup": {}, "runs": runs}).splitlines()
+    )
+    runs[3]["concurrency"][0]["output_tok_s_all"] = [220.0, 240.0]
+    assert (
+        "| dspark7-ours | 1 | 160.0 [100-220] | 1.07 | 2 |"
+        in mt.markdown({"setup": {}, "runs": runs}).splitlines()
+    )
