@@ -274,7 +274,7 @@ def run_row(args, spec, models: dict, vocab: int, out: Path, name: str) -> dict:
     sargs = server_args(args, spec)
     entry.update(server_args=sargs, speculative_config=sc)
     log = out / "logs" / f"{file_stem(name)}.log"
-    progress = out / "runs" / f"{file_stem(name)}.json"
+    progress = server_result_path(out, name)
     t0 = time.time()
     server = _common.launch(
         models["target"],
@@ -405,6 +405,12 @@ def file_stem(name: str) -> str:
     """A server's name as its files are named (``row-k``, not ``row#k``): the GPU machine's
     transfer brings back no file whose name holds a ``#``."""
     return name.replace("#", "-")
+
+
+def server_result_path(out: Path, name: str) -> Path:
+    """Where a server's result is written as each concurrency ends, and read back by a later
+    invocation with the same ``--out``."""
+    return out / "runs" / f"{file_stem(name)}.json"
 
 
 def _upstream_row(row: str) -> str | None:
@@ -759,7 +765,7 @@ def main(argv=None) -> int:
     for row, instance in order:
         spec = ROWS[row]
         name = instance_name(row, instance, args.instances)
-        kept = out / "runs" / f"{file_stem(name)}.json"
+        kept = server_result_path(out, name)
         previous = json.loads(kept.read_text()) if kept.is_file() else None
         if (
             previous
