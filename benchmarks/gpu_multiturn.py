@@ -14,7 +14,9 @@ of gpu_lightning.py): plain, dspark3-ours, dspark3-upstream, dspark7-ours, dspar
 dflash5-ours, dflash5-upstream; "upstream" = the same draft with vLLM alone (``VLLM_PLUGINS=""``),
 plain also runs without the plugin. Each row is one server (``--instances K``: K servers a row,
 started in turn with the other rows', each compared with the same-numbered server of the others and
-summarised across servers: two servers of one row differ more than repeats in one server), with
+summarised across servers: two servers of one row differ more than repeats in one server;
+``--side-by-side`` starts the k-th servers of all rows together, each with its share of the GPU
+and a fixed KV cache, and runs each repeat on every one in turn), with
 ``--enable-prefix-caching --mamba-cache-mode align --kv-cache-dtype fp8`` (``--no-recipe`` drops
 them), CUDA graphs unless ``--eager``.
 
@@ -206,6 +208,11 @@ def measure(url: str, model: str, args, vocab: int, conc: int) -> tuple[dict, li
         run_repeat(url, model, args, vocab, conc, -1 - w) for w in range(args.warmup_repeats)
     ]
     reps = [run_repeat(url, model, args, vocab, conc, r) for r in range(args.repeats)]
+    return summarise(reps, warmups), reps
+
+
+def summarise(reps: list[dict], warmups: list[dict]) -> dict:
+    """The median repeat with every repeat's values (``*_all``) and the warm-ups' tok/s."""
     row = gl.median_repeat(reps)
     for key in (
         "ttft_ms",
@@ -217,7 +224,7 @@ def measure(url: str, model: str, args, vocab: int, conc: int) -> tuple[dict, li
     ):
         row[f"{key}_all"] = [r.get(key) for r in reps]
     row["warmup_tok_s"] = [w.get("output_tok_s") for w in warmups]
-    return row, reps
+    return row
 
 
 def server_args(args, spec) -> list[str]:
@@ -236,7 +243,12 @@ def server_args(args, spec) -> list[str]:
     if args.smoke:
         out += list(serve.CPU_TINY_SERVE_ARGS)
     else:
-        out += ["--dtype", args.dtype, "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        share = args.gpu_memory_utilization / getattr(args, "servers_at_once", 1)
+        out += ["--dtype", args.dtype, "--gpu-memory-utilization", f"{share:.3f}"]
+        if getattr(args, "servers_at_once", 1) > 1:
+            # Sized, not profiled: a neighbour starting at the same time would be counted as
+            # this server's own non-torch memory.
+            out += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
         if args.eager:
             out.append("--enforce-eager")
         else:  # capture only the batch sizes this benchmark runs (faster start-up)
@@ -265,66 +277,152 @@ def speculative_config(args, spec, models: dict) -> dict | None:
     return sc
 
 
-def run_row(args, spec, models: dict, vocab: int, out: Path, name: str) -> dict:
+def new_entry(args, spec, models: dict) -> dict:
+    """A server's result record before it starts: its row, draft and command line."""
     entry = {"name": spec.name, "method": spec.method, "gamma": spec.gamma, "plugin": spec.plugin}
     if spec.method:
         _, alpha, expected = gl.acceptance_rates(spec.method, spec.gamma)
         entry.update(alpha=alpha, expected_acceptance_length=None if args.smoke else expected)
-    sc = speculative_config(args, spec, models)
-    sargs = server_args(args, spec)
-    entry.update(server_args=sargs, speculative_config=sc)
-    log = out / "logs" / f"{file_stem(name)}.log"
-    progress = server_result_path(out, name)
-    t0 = time.time()
-    server = _common.launch(
+    entry.update(
+        server_args=server_args(args, spec),
+        speculative_config=speculative_config(args, spec, models),
+    )
+    return entry
+
+
+def start_server(args, spec, models: dict, entry: dict, log: Path):
+    return _common.launch(
         models["target"],
         log,
-        args=sargs,
-        speculative_config=sc,
+        args=entry["server_args"],
+        speculative_config=entry["speculative_config"],
         plugin=spec.plugin,
         launcher=args.launcher,
     )
-    try:
-        serve.wait_ready(server, timeout=args.start_timeout)
-        entry["startup_s"] = round(server.started_s, 1)
-        model = _common.served_model(server.url)
-        stream_tokens(server.url, model, list(range(10, 42)), 8, args.request_timeout)  # warm-up
-        entry["cache_config"] = _common.snapshot(server.url).cache_config
-        entry["concurrency"] = []
-        for conc in args.concurrency:
-            row, reps = measure(server.url, model, args, vocab, conc)
-            entry["concurrency"].append(row)
-            # What is measured survives a kill (a command's time limit): not "ok", so rerun.
-            progress.write_text(json.dumps(dict(entry, status=f"partial: concurrency {conc} done")))
-            print(
-                f"    {spec.name} c={conc}: {row['output_tok_s']} tok/s, TTFT {row['ttft_ms']} ms, "
-                f"TPOT {row['tpot_ms']} ms, acceptance {row.get('mean_acceptance_length')}, "
-                f"prefix hits {row['prefix_cache_hits']}/{row['prefix_cache_queries']}",
-                flush=True,
-            )
-            if any(r["errors"] for r in reps):
-                raise http.CompletionError(
-                    f"concurrency {conc}: {reps[0]['errors'] or reps[-1]['errors']}"
-                )
-        entry["status"] = "ok"
-    except serve.ServerStartError as exc:
+
+
+def wait_serving(args, server, entry: dict) -> str:
+    """Wait for the server, send one short request, record its start-up time and cache
+    config; returns the served model name."""
+    serve.wait_ready(server, timeout=args.start_timeout)
+    entry["startup_s"] = round(server.started_s, 1)
+    model = _common.served_model(server.url)
+    stream_tokens(server.url, model, list(range(10, 42)), 8, args.request_timeout)  # warm-up
+    entry["cache_config"] = _common.snapshot(server.url).cache_config
+    entry["concurrency"] = []
+    return model
+
+
+def record_concurrency(entry: dict, conc: int, row: dict, reps: list[dict], progress: Path) -> None:
+    """Add concurrency ``conc``'s summary ``row`` to ``entry`` and to the server's result file
+    (so a killed command keeps it); raises when a repeat had failed requests."""
+    entry["concurrency"].append(row)
+    # What is measured survives a kill (a command's time limit): not "ok", so rerun.
+    progress.write_text(json.dumps(dict(entry, status=f"partial: concurrency {conc} done")))
+    print(
+        f"    {entry['name']} c={conc}: {row['output_tok_s']} tok/s, TTFT {row['ttft_ms']} ms, "
+        f"TPOT {row['tpot_ms']} ms, acceptance {row.get('mean_acceptance_length')}, "
+        f"prefix hits {row['prefix_cache_hits']}/{row['prefix_cache_queries']}",
+        flush=True,
+    )
+    if any(r["errors"] for r in reps):
+        raise http.CompletionError(f"concurrency {conc}: {reps[0]['errors'] or reps[-1]['errors']}")
+
+
+def record_failure(entry: dict, exc: BaseException) -> None:
+    if isinstance(exc, serve.ServerStartError):
         entry.update(
             status="error",
             error=f"server did not start: {_common.start_error(exc)}",
             log_tail=exc.log[-3000:],
         )
-    except Exception as exc:  # noqa: BLE001 - recorded, the next row runs
+    else:
         entry.update(
             status="error",
             error=f"{type(exc).__name__}: {exc}"[:2000],
             traceback=traceback.format_exc()[-3000:],
         )
-    finally:
-        server.stop()
+
+
+def finish_entry(entry: dict, log: Path, t0: float) -> dict:
     entry["run_s"] = round(time.time() - t0, 1)
     text = log.read_text(errors="replace") if log.is_file() else ""
     entry["backend_log_lines"] = _common.backend_lines(text)
     return entry
+
+
+def run_row(args, spec, models: dict, vocab: int, out: Path, name: str) -> dict:
+    """One server: start it, measure every concurrency in turn, stop it."""
+    entry = new_entry(args, spec, models)
+    log = out / "logs" / f"{file_stem(name)}.log"
+    t0 = time.time()
+    server = start_server(args, spec, models, entry, log)
+    try:
+        model = wait_serving(args, server, entry)
+        for conc in args.concurrency:
+            row, reps = measure(server.url, model, args, vocab, conc)
+            record_concurrency(entry, conc, row, reps, server_result_path(out, name))
+        entry["status"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - recorded, the next row runs
+        record_failure(entry, exc)
+    finally:
+        server.stop()
+    return finish_entry(entry, log, t0)
+
+
+def run_side_by_side(args, group: list, models: dict, vocab: int, out: Path) -> list[dict]:
+    """Several servers (``group``: (spec, name) pairs) resident on the GPU together: started at
+    once (the set starts in the time of its slowest server), then each repeat runs on every
+    server in turn, the order reversed every other repeat, so repeat k of every server sees the
+    machine at the same moment. One server's failure leaves the others measuring."""
+    t0 = time.time()
+    live = []  # [name, entry, server, model, log]
+    for spec, name in group:
+        entry = new_entry(args, spec, models)
+        log = out / "logs" / f"{file_stem(name)}.log"
+        live.append([name, entry, start_server(args, spec, models, entry, log), None, log])
+    everyone = list(live)
+    try:
+        for s in list(live):
+            try:
+                s[3] = wait_serving(args, s[2], s[1])
+            except Exception as exc:  # noqa: BLE001 - recorded, the others run
+                record_failure(s[1], exc)
+                s[2].stop()
+                live.remove(s)
+        for conc in args.concurrency:
+            warm = {s[0]: [] for s in live}
+            reps = {s[0]: [] for s in live}
+            plan = [(-1 - w, live) for w in range(args.warmup_repeats)]
+            plan += [(r, live if r % 2 == 0 else live[::-1]) for r in range(args.repeats)]
+            for repeat, order in plan:
+                for s in list(order):
+                    if s not in live:
+                        continue
+                    try:
+                        rec = run_repeat(s[2].url, s[3], args, vocab, conc, repeat)
+                    except Exception as exc:  # noqa: BLE001 - a dead server; the others run
+                        record_failure(s[1], exc)
+                        live.remove(s)
+                        continue
+                    (warm if repeat < 0 else reps)[s[0]].append(rec)
+            for s in list(live):
+                try:
+                    record_concurrency(
+                        s[1],
+                        conc,
+                        summarise(reps[s[0]], warm[s[0]]),
+                        reps[s[0]],
+                        server_result_path(out, s[0]),
+                    )
+                except Exception as exc:  # noqa: BLE001 - recorded, the others run
+                    record_failure(s[1], exc)
+                    live.remove(s)
+        for s in live:
+            s[1]["status"] = "ok"
+    finally:
+        _common.stop_all([s[2] for s in everyone])
+    return [finish_entry(s[1], s[4], t0) for s in everyone]
 
 
 # ------------------------------------------------------------------------------------------
@@ -548,7 +646,9 @@ def markdown(result: dict) -> str:
         row = r.get("row", r["name"])
         for c in r["concurrency"]:
             t = c.get("output_tok_s")
-            base = _conc_row(_same_numbered(by_name, r, "plain"), c["concurrency"])
+            base = _conc_row(
+                _same_numbered(by_name, r, "plain" if row != "plain" else None), c["concurrency"]
+            )
             up = _conc_row(_same_numbered(by_name, r, _upstream_row(row)), c["concurrency"])
             acc = c.get("mean_acceptance_length")
             exp = r.get("expected_acceptance_length")
@@ -641,6 +741,22 @@ def main(argv=None) -> int:
         help="servers per row, started in turn with the other rows' (default 1): tok/s differs "
         "more between two servers of the same row than between repeats in one",
     )
+    p.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="start the k-th server of every row together on the one GPU (each with "
+        "--gpu-memory-utilization / servers and --kv-cache-memory-bytes --kv-cache-gib) and run "
+        "each repeat on every server in turn, reversing the order every other repeat: a set "
+        "starts in the time of its slowest server, not the sum, and repeat k of every server "
+        "sees the machine at the same moment",
+    )
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=16.0,
+        help="KV cache per server with --side-by-side (default 16: ~550K tokens at Lightning "
+        "widths with fp8 KV, ~2.5x what 16 clients of the default workload hold)",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--eager", action="store_true", help="--enforce-eager (no CUDA graphs)")
@@ -693,6 +809,7 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in RUN_NAMES]
     if unknown:
         raise SystemExit(f"unknown runs {unknown}; choose from {list(RUN_NAMES)}")
+    args.servers_at_once = len(names) if args.side_by_side else 1
 
     t_start = time.time()
     out = Path(args.out)
@@ -716,7 +833,8 @@ def main(argv=None) -> int:
             "drafts": "official layout and size, random NVFP4 W4A16 weights (gpu_lightning.build_models)",
             "workload": f"{args.prefix_tokens}-token shared prefix, {args.turns} turns of {args.user_tokens} user + "
             f"{args.output_tokens} output tokens, concurrency {args.concurrency}, {args.repeats} repeats"
-            f", {args.instances} server(s) per row",
+            f", {args.instances} server(s) per row"
+            + (", each row's k-th servers side by side on the GPU" if args.side_by_side else ""),
             "cache_flags": " ".join(_common.RECIPE_FLAGS) if args.recipe else "engine defaults",
             "flashinfer": " ".join(
                 [
@@ -754,17 +872,18 @@ def main(argv=None) -> int:
             "flashinfer",
             "target_flashinfer",
             "instances",
+            "side_by_side",
             "dtype",
             "eager",
         )
     }
     budget = _common.RunBudget(args.budget_s, args.min_row_s, started=t_start, factor=0.9)
-    # Servers of different rows alternate (A#1, B#1, A#2, B#2, ...), so a drift of the machine
-    # over the run does not fall on one row.
-    order = [(name, i) for i in range(args.instances) for name in names]
-    for row, instance in order:
-        spec = ROWS[row]
-        name = instance_name(row, instance, args.instances)
+
+    def stamp() -> str:
+        return f"[{time.time() - t_start:5.0f}s]"
+
+    def not_to_run(row: str, name: str) -> bool:
+        """Records a server that is kept from an earlier invocation or cannot run; True then."""
         kept = server_result_path(out, name)
         previous = json.loads(kept.read_text()) if kept.is_file() else None
         if (
@@ -773,22 +892,9 @@ def main(argv=None) -> int:
             and previous.get("fingerprint") == fingerprint
             and not args.force
         ):
-            print(
-                f"[{time.time() - t_start:5.0f}s] {name}: kept from an earlier invocation",
-                flush=True,
-            )
+            print(f"{stamp()} {name}: kept from an earlier invocation", flush=True)
             result["runs"].append(dict(previous, kept=True))
-            save()
-            continue
-        remaining, need = budget.remaining(), budget.need(row)  # a row's servers share caches
-        if remaining < need and not args.smoke:
-            print(
-                f"[{time.time() - t_start:5.0f}s] {name}: skipped (budget: {remaining:.0f} s left, ~{need:.0f} s needed)"
-            )
-            result["runs"].append({"name": name, "row": row, "status": "skipped: time budget"})
-            save()
-            continue
-        if spec.plugin and not have_plugin:
+        elif ROWS[row].plugin and not have_plugin:
             result["runs"].append(
                 {
                     "name": name,
@@ -798,21 +904,63 @@ def main(argv=None) -> int:
                     "not installed: pip install --no-deps -e .",
                 }
             )
-            save()
-            continue
-        print(f"[{time.time() - t_start:5.0f}s] {name}: starting", flush=True)
-        t0 = time.time()
-        entry = run_row(args, spec, models, vocab, out, name)
+        else:
+            return False
+        save()
+        return True
+
+    def fits(rows: list[str], names_: list[str]) -> bool:
+        remaining = budget.remaining()
+        need = max(budget.need(row) for row in rows)  # a row's servers share caches
+        if remaining >= need or args.smoke:
+            return True
+        for row, name in zip(rows, names_):
+            print(
+                f"{stamp()} {name}: skipped (budget: {remaining:.0f} s left, ~{need:.0f} s needed)"
+            )
+            result["runs"].append({"name": name, "row": row, "status": "skipped: time budget"})
+        save()
+        return False
+
+    def done(row: str, name: str, entry: dict, took: float) -> None:
         entry.update(name=name, row=row, fingerprint=fingerprint)
-        budget.record(row, time.time() - t0, entry.get("startup_s"))
-        kept.write_text(json.dumps(entry, indent=1))
+        budget.record(row, took, entry.get("startup_s"))
+        server_result_path(out, name).write_text(json.dumps(entry, indent=1))
         result["runs"].append(entry)
         save()
         print(
-            f"[{time.time() - t_start:5.0f}s] {name}: {entry['status']} in {entry['run_s']} s "
+            f"{stamp()} {name}: {entry['status']} in {entry['run_s']} s "
             f"{entry.get('error', '')[:300]}",
             flush=True,
         )
+
+    # Servers of different rows alternate (A#1, B#1, A#2, B#2, ...), so a drift of the machine
+    # over the run does not fall on one row; side by side, set k starts every row's k-th server
+    # together (in reversed row order for odd k: which one runs a repeat first alternates too).
+    for instance in range(args.instances):
+        rows = names if not (args.side_by_side and instance % 2) else names[::-1]
+        todo = [
+            (row, instance_name(row, instance, args.instances))
+            for row in rows
+            if not not_to_run(row, instance_name(row, instance, args.instances))
+        ]
+        if not todo:
+            continue
+        if args.side_by_side:
+            if not fits([r for r, _ in todo], [n for _, n in todo]):
+                continue
+            print(f"{stamp()} {', '.join(n for _, n in todo)}: starting side by side", flush=True)
+            t0 = time.time()
+            group = [(ROWS[row], name) for row, name in todo]
+            for (row, name), entry in zip(todo, run_side_by_side(args, group, models, vocab, out)):
+                done(row, name, entry, time.time() - t0)
+            continue
+        for row, name in todo:
+            if not fits([row], [name]):
+                continue
+            print(f"{stamp()} {name}: starting", flush=True)
+            t0 = time.time()
+            done(row, name, run_row(args, ROWS[row], models, vocab, out, name), time.time() - t0)
     result["wall_s"] = round(time.time() - t_start, 1)
     save()
     print((out / "multiturn.md").read_text())

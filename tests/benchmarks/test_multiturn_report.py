@@ -320,3 +320,71 @@ def test_pooled_ratio_needs_every_server_paired():
         "| dspark7-ours | 1 | 160.0 [100-220] | 1.07 | 2 |"
         in mt.markdown({"setup": {}, "runs": runs}).splitlines()
     )
+
+
+def test_side_by_side_starts_every_server_first_and_alternates_who_runs_a_repeat_first(
+    monkeypatch, tmp_path
+):
+    """--side-by-side: the set's servers are all launched before the first is waited for, each
+    asks for its share of the GPU with a fixed KV cache, every repeat runs on each server in
+    turn with the order reversed every other repeat (warm-ups first), and a server that does
+    not start is recorded while the others are measured."""
+    import argparse
+
+    events = []
+
+    class Server:
+        def __init__(self, name, ok=True):
+            self.url, self.started_s, self.ok, self.name = f"http://{name}", 1.0, ok, name
+
+        def stop(self):
+            events.append(("stop", self.name))
+
+    def launch(target, log, *, args, speculative_config, plugin, launcher):
+        name = Path(log).stem
+        events.append(("launch", name, tuple(args)))
+        return Server(name, ok=name != "dflash5-ours-1")
+
+    def wait_ready(server, timeout):
+        events.append(("wait", server.name))
+        if not server.ok:
+            raise mt.serve.ServerStartError("exited", "no GPU memory left", "CUDA OOM", 1)
+
+    def run_repeat(url, model, args, vocab, conc, repeat):
+        events.append(("repeat", url[7:], conc, repeat))
+        return {"concurrency": conc, "output_tok_s": 10.0, "ttft_ms": 1.0, "tpot_ms": 1.0,
+                "prefix_cache_hits": 0, "prefix_cache_queries": 0, "errors": []}  # fmt: skip
+
+    monkeypatch.setattr(mt, "speculative_config", lambda args, spec, models: None)
+    monkeypatch.setattr(mt, "stream_tokens", lambda *a, **k: {})
+    monkeypatch.setattr(mt, "run_repeat", run_repeat)
+    monkeypatch.setattr(mt._common, "launch", launch)
+    monkeypatch.setattr(mt._common, "served_model", lambda url: "m")
+    monkeypatch.setattr(mt._common, "snapshot", lambda url: argparse.Namespace(cache_config={}))
+    monkeypatch.setattr(mt.serve, "wait_ready", wait_ready)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "logs").mkdir()
+    args = argparse.Namespace(
+        concurrency=[1], repeats=3, warmup_repeats=1, start_timeout=1, request_timeout=1,
+        smoke=False, launcher="auto", gpu_memory_utilization=0.9, servers_at_once=3,
+        kv_cache_gib=2.0, eager=False, dtype="bfloat16", recipe=False, flashinfer=False,
+        target_flashinfer=False, prefix_tokens=8, turns=1, user_tokens=1, output_tokens=1,
+        max_model_len=None,
+    )  # fmt: skip
+    names = ["dspark7-upstream#1", "dspark7-ours#1", "dflash5-ours#1"]
+    group = [(mt.ROWS[n.split("#")[0]], n) for n in names]
+    entries = mt.run_side_by_side(args, group, {"target": "t"}, 1000, tmp_path)
+
+    kinds = [e[0] for e in events]
+    assert kinds[:3] == ["launch"] * 3 and kinds[3:6] == ["wait"] * 3
+    for e in events[:3]:
+        flags = list(e[2])
+        assert flags[flags.index("--gpu-memory-utilization") + 1] == "0.300"
+        assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)
+    order = [(e[1], e[3]) for e in events if e[0] == "repeat"]
+    a, b = "dspark7-upstream-1", "dspark7-ours-1"
+    assert order == [(a, -1), (b, -1), (a, 0), (b, 0), (b, 1), (a, 1), (a, 2), (b, 2)]
+    assert [e["status"] for e in entries] == ["ok", "ok", "error"]
+    assert "server did not start: no GPU memory left" in entries[2]["error"]
+    assert [c["output_tok_s_all"] for c in entries[0]["concurrency"]] == [[10.0] * 3]
+    assert {e[1] for e in events if e[0] == "stop"} == {a, b, "dflash5-ours-1"}
