@@ -65,6 +65,7 @@ import threading
 import time
 import traceback
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -370,59 +371,67 @@ def run_row(args, spec, models: dict, vocab: int, out: Path, name: str) -> dict:
     return finish_entry(entry, log, t0)
 
 
+@dataclass
+class Resident:
+    """One server of a side-by-side set."""
+
+    name: str
+    entry: dict
+    server: object
+    log: Path
+    model: str | None = None
+
+
 def run_side_by_side(args, group: list, models: dict, vocab: int, out: Path) -> list[dict]:
     """Several servers (``group``: (spec, name) pairs) resident on the GPU together: started at
     once (the set starts in the time of its slowest server), then each repeat runs on every
     server in turn, the order reversed every other repeat, so repeat k of every server sees the
     machine at the same moment. One server's failure leaves the others measuring."""
     t0 = time.time()
-    live = []  # [name, entry, server, model, log]
+    everyone = []
     for spec, name in group:
         entry = new_entry(args, spec, models)
         log = out / "logs" / f"{file_stem(name)}.log"
-        live.append([name, entry, start_server(args, spec, models, entry, log), None, log])
-    everyone = list(live)
+        everyone.append(Resident(name, entry, start_server(args, spec, models, entry, log), log))
+    live = list(everyone)
+
+    def drop(s: Resident, exc: BaseException) -> None:
+        record_failure(s.entry, exc)
+        s.server.stop()
+        live.remove(s)
+
     try:
-        for s in list(live):
+        for s in everyone:
             try:
-                s[3] = wait_serving(args, s[2], s[1])
+                s.model = wait_serving(args, s.server, s.entry)
             except Exception as exc:  # noqa: BLE001 - recorded, the others run
-                record_failure(s[1], exc)
-                s[2].stop()
-                live.remove(s)
+                drop(s, exc)
         for conc in args.concurrency:
-            warm = {s[0]: [] for s in live}
-            reps = {s[0]: [] for s in live}
+            warm = {s.name: [] for s in live}
+            reps = {s.name: [] for s in live}
             plan = [(-1 - w, live) for w in range(args.warmup_repeats)]
             plan += [(r, live if r % 2 == 0 else live[::-1]) for r in range(args.repeats)]
             for repeat, order in plan:
-                for s in list(order):
-                    if s not in live:
-                        continue
+                for s in [s for s in order if s in live]:
                     try:
-                        rec = run_repeat(s[2].url, s[3], args, vocab, conc, repeat)
+                        rec = run_repeat(s.server.url, s.model, args, vocab, conc, repeat)
                     except Exception as exc:  # noqa: BLE001 - a dead server; the others run
-                        record_failure(s[1], exc)
-                        live.remove(s)
+                        drop(s, exc)
                         continue
-                    (warm if repeat < 0 else reps)[s[0]].append(rec)
+                    (warm if repeat < 0 else reps)[s.name].append(rec)
             for s in list(live):
+                row = summarise(reps[s.name], warm[s.name])
                 try:
                     record_concurrency(
-                        s[1],
-                        conc,
-                        summarise(reps[s[0]], warm[s[0]]),
-                        reps[s[0]],
-                        server_result_path(out, s[0]),
+                        s.entry, conc, row, reps[s.name], server_result_path(out, s.name)
                     )
                 except Exception as exc:  # noqa: BLE001 - recorded, the others run
-                    record_failure(s[1], exc)
-                    live.remove(s)
+                    drop(s, exc)
         for s in live:
-            s[1]["status"] = "ok"
+            s.entry["status"] = "ok"
     finally:
-        _common.stop_all([s[2] for s in everyone])
-    return [finish_entry(s[1], s[4], t0) for s in everyone]
+        _common.stop_all([s.server for s in everyone])
+    return [finish_entry(s.entry, s.log, t0) for s in everyone]
 
 
 # ------------------------------------------------------------------------------------------
