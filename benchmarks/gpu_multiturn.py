@@ -201,15 +201,34 @@ def run_repeat(url: str, model: str, args, vocab: int, conc: int, repeat: int) -
 # servers
 
 
-def measure(url: str, model: str, args, vocab: int, conc: int) -> tuple[dict, list[dict]]:
-    """One concurrency in one server: ``--warmup-repeats`` untimed repeats (their own prompts:
-    negative repeat numbers), then ``--repeats`` timed ones. Returns the median repeat with
-    every repeat's values (``*_all``) and the warm-ups' tok/s, and the timed repeats."""
-    warmups = [
-        run_repeat(url, model, args, vocab, conc, -1 - w) for w in range(args.warmup_repeats)
-    ]
-    reps = [run_repeat(url, model, args, vocab, conc, r) for r in range(args.repeats)]
-    return summarise(reps, warmups), reps
+def measure(servers: list, args, vocab: int, conc: int, drop) -> dict[str, tuple[dict, list]]:
+    """One concurrency on every server of ``servers`` (``Resident`` records): ``--warmup-repeats``
+    untimed repeats (their own prompts: negative repeat numbers), then ``--repeats`` timed ones,
+    each repeat on every server in turn, the order reversed every other timed repeat, so repeat k
+    of every server sees the machine at the same moment. A server whose repeat raises goes to
+    ``drop(server, exc)`` and out of the rest. Returns, per surviving server's name, the median
+    repeat with every repeat's values (``*_all``) and the warm-ups' tok/s, and the timed repeats."""
+    warm = {s.name: [] for s in servers}
+    reps = {s.name: [] for s in servers}
+    plan = [(-1 - w, servers) for w in range(args.warmup_repeats)]
+    plan += [(r, servers if r % 2 == 0 else servers[::-1]) for r in range(args.repeats)]
+    failed = set()
+    for repeat, order in plan:
+        for s in order:
+            if s.name in failed:
+                continue
+            try:
+                rec = run_repeat(s.server.url, s.model, args, vocab, conc, repeat)
+            except Exception as exc:  # noqa: BLE001 - a dead server; the others run
+                failed.add(s.name)
+                drop(s, exc)
+                continue
+            (warm if repeat < 0 else reps)[s.name].append(rec)
+    return {
+        s.name: (summarise(reps[s.name], warm[s.name]), reps[s.name])
+        for s in servers
+        if s.name not in failed
+    }
 
 
 def summarise(reps: list[dict], warmups: list[dict]) -> dict:
@@ -244,9 +263,9 @@ def server_args(args, spec) -> list[str]:
     if args.smoke:
         out += list(serve.CPU_TINY_SERVE_ARGS)
     else:
-        share = args.gpu_memory_utilization / getattr(args, "servers_at_once", 1)
+        share = args.gpu_memory_utilization / args.servers_at_once
         out += ["--dtype", args.dtype, "--gpu-memory-utilization", f"{share:.3f}"]
-        if getattr(args, "servers_at_once", 1) > 1:
+        if args.servers_at_once > 1:
             # Sized, not profiled: a neighbour starting at the same time would be counted as
             # this server's own non-torch memory.
             out += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * (1 << 30)))]
@@ -352,28 +371,9 @@ def finish_entry(entry: dict, log: Path, t0: float) -> dict:
     return entry
 
 
-def run_row(args, spec, models: dict, vocab: int, out: Path, name: str) -> dict:
-    """One server: start it, measure every concurrency in turn, stop it."""
-    entry = new_entry(args, spec, models)
-    log = out / "logs" / f"{file_stem(name)}.log"
-    t0 = time.time()
-    server = start_server(args, spec, models, entry, log)
-    try:
-        model = wait_serving(args, server, entry)
-        for conc in args.concurrency:
-            row, reps = measure(server.url, model, args, vocab, conc)
-            record_concurrency(entry, conc, row, reps, server_result_path(out, name))
-        entry["status"] = "ok"
-    except Exception as exc:  # noqa: BLE001 - recorded, the next row runs
-        record_failure(entry, exc)
-    finally:
-        server.stop()
-    return finish_entry(entry, log, t0)
-
-
 @dataclass
 class Resident:
-    """One server of a side-by-side set."""
+    """One server of a set that is resident on the GPU together."""
 
     name: str
     entry: dict
@@ -382,11 +382,11 @@ class Resident:
     model: str | None = None
 
 
-def run_side_by_side(args, group: list, models: dict, vocab: int, out: Path) -> list[dict]:
-    """Several servers (``group``: (spec, name) pairs) resident on the GPU together: started at
-    once (the set starts in the time of its slowest server), then each repeat runs on every
-    server in turn, the order reversed every other repeat, so repeat k of every server sees the
-    machine at the same moment. One server's failure leaves the others measuring."""
+def run_servers(args, group: list, models: dict, vocab: int, out: Path) -> list[dict]:
+    """Start the servers of ``group`` ((spec, name) pairs: one, or with ``--side-by-side`` the
+    k-th of every row) at once, so a set starts in the time of its slowest server; measure every
+    concurrency on all of them (:func:`measure`), then stop them. One server's failure leaves the
+    others measuring."""
     t0 = time.time()
     everyone = []
     for spec, name in group:
@@ -407,24 +407,11 @@ def run_side_by_side(args, group: list, models: dict, vocab: int, out: Path) -> 
             except Exception as exc:  # noqa: BLE001 - recorded, the others run
                 drop(s, exc)
         for conc in args.concurrency:
-            warm = {s.name: [] for s in live}
-            reps = {s.name: [] for s in live}
-            plan = [(-1 - w, live) for w in range(args.warmup_repeats)]
-            plan += [(r, live if r % 2 == 0 else live[::-1]) for r in range(args.repeats)]
-            for repeat, order in plan:
-                for s in [s for s in order if s in live]:
-                    try:
-                        rec = run_repeat(s.server.url, s.model, args, vocab, conc, repeat)
-                    except Exception as exc:  # noqa: BLE001 - a dead server; the others run
-                        drop(s, exc)
-                        continue
-                    (warm if repeat < 0 else reps)[s.name].append(rec)
+            measured = measure(list(live), args, vocab, conc, drop)
             for s in list(live):
-                row = summarise(reps[s.name], warm[s.name])
+                row, reps = measured[s.name]
                 try:
-                    record_concurrency(
-                        s.entry, conc, row, reps[s.name], server_result_path(out, s.name)
-                    )
+                    record_concurrency(s.entry, conc, row, reps, server_result_path(out, s.name))
                 except Exception as exc:  # noqa: BLE001 - recorded, the others run
                     drop(s, exc)
         for s in live:
@@ -953,23 +940,15 @@ def main(argv=None) -> int:
             for row in rows
             if not not_to_run(row, instance_name(row, instance, args.instances))
         ]
-        if not todo:
-            continue
-        if args.side_by_side:
-            if not fits([r for r, _ in todo], [n for _, n in todo]):
+        for group in [todo] if args.side_by_side else [[t] for t in todo]:
+            if not fits([r for r, _ in group], [n for _, n in group]):
                 continue
-            print(f"{stamp()} {', '.join(n for _, n in todo)}: starting side by side", flush=True)
+            together = " side by side" if len(group) > 1 else ""
+            print(f"{stamp()} {', '.join(n for _, n in group)}: starting{together}", flush=True)
             t0 = time.time()
-            group = [(ROWS[row], name) for row, name in todo]
-            for (row, name), entry in zip(todo, run_side_by_side(args, group, models, vocab, out)):
+            specs = [(ROWS[row], name) for row, name in group]
+            for (row, name), entry in zip(group, run_servers(args, specs, models, vocab, out)):
                 done(row, name, entry, time.time() - t0)
-            continue
-        for row, name in todo:
-            if not fits([row], [name]):
-                continue
-            print(f"{stamp()} {name}: starting", flush=True)
-            t0 = time.time()
-            done(row, name, run_row(args, ROWS[row], models, vocab, out, name), time.time() - t0)
     result["wall_s"] = round(time.time() - t_start, 1)
     save()
     print((out / "multiturn.md").read_text())

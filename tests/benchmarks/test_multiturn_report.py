@@ -106,7 +106,7 @@ def test_hits_over_reachable_column():
 
 
 def _row(name, tok_s_all, acceptance_all):
-    """One server's concurrency-1 row as run_row stores it: the median repeat by tok/s with every
+    """One server's concurrency-1 row as run_servers stores it: the median repeat by tok/s with every
     repeat's values alongside."""
     reps = sorted(zip(tok_s_all, acceptance_all))
     median_tok_s, median_acceptance = reps[(len(reps) - 1) // 2]
@@ -163,13 +163,14 @@ def test_warmup_repeats_run_first_untimed_with_their_own_prompts(monkeypatch):
         return {"output_tok_s": 10.0 if repeat < 0 else 100.0 + repeat, "tpot_ms": 1.0}
 
     monkeypatch.setattr(mt, "run_repeat", fake_repeat)
+    server = mt.Resident("s", {}, argparse.Namespace(url="http://x"), Path("s.log"), model="m")
     args = argparse.Namespace(warmup_repeats=1, repeats=3)
-    row, reps = mt.measure("http://x", "m", args, 1000, 4)
+    row, reps = mt.measure([server], args, 1000, 4, drop=None)["s"]
     assert calls == [-1, 0, 1, 2]
     assert row["output_tok_s"] == 101.0 and row["output_tok_s_all"] == [100.0, 101.0, 102.0]
     assert row["warmup_tok_s"] == [10.0] and len(reps) == 3
     calls.clear()
-    mt.measure("http://x", "m", argparse.Namespace(warmup_repeats=0, repeats=2), 1000, 1)
+    mt.measure([server], argparse.Namespace(warmup_repeats=0, repeats=2), 1000, 1, drop=None)
     assert calls == [0, 1]
 
 
@@ -225,14 +226,14 @@ def test_server_files_carry_no_hash_and_keep_what_a_killed_run_measured(monkeypa
 
     seen = []
 
-    def fake_measure(url, model, args, vocab, conc):
+    def fake_repeat(url, model, args, vocab, conc, repeat):
         if conc == 4:
             seen.append(json.loads((tmp_path / "runs" / "dspark7-ours-2.json").read_text()))
             raise Killed
         return {"output_tok_s": 10.0, "ttft_ms": 1.0, "tpot_ms": 1.0, "prefix_cache_hits": 0,
-                "prefix_cache_queries": 0}, [{"errors": []}]  # fmt: skip
+                "prefix_cache_queries": 0, "errors": []}  # fmt: skip
 
-    monkeypatch.setattr(mt, "measure", fake_measure)
+    monkeypatch.setattr(mt, "run_repeat", fake_repeat)
     monkeypatch.setattr(mt, "speculative_config", lambda args, spec, models: None)
     monkeypatch.setattr(mt, "server_args", lambda args, spec: [])
     monkeypatch.setattr(mt, "stream_tokens", lambda *a, **k: {})
@@ -243,11 +244,12 @@ def test_server_files_carry_no_hash_and_keep_what_a_killed_run_measured(monkeypa
     (tmp_path / "runs").mkdir()
     (tmp_path / "logs").mkdir()
     args = argparse.Namespace(
-        concurrency=[1, 4], start_timeout=1, request_timeout=1, smoke=False, launcher="auto"
-    )
+        concurrency=[1, 4], start_timeout=1, request_timeout=1, smoke=False, launcher="auto",
+        warmup_repeats=0, repeats=1,
+    )  # fmt: skip
     spec = mt.ROWS["dspark7-ours"]
     try:
-        mt.run_row(args, spec, {"target": "t"}, 1000, tmp_path, "dspark7-ours#2")
+        mt.run_servers(args, [(spec, "dspark7-ours#2")], {"target": "t"}, 1000, tmp_path)
     except Killed:
         pass
     assert len(seen) == 1
@@ -373,7 +375,7 @@ def test_side_by_side_starts_every_server_first_and_alternates_who_runs_a_repeat
     )  # fmt: skip
     names = ["dspark7-upstream#1", "dspark7-ours#1", "dflash5-ours#1"]
     group = [(mt.ROWS[n.split("#")[0]], n) for n in names]
-    entries = mt.run_side_by_side(args, group, {"target": "t"}, 1000, tmp_path)
+    entries = mt.run_servers(args, group, {"target": "t"}, 1000, tmp_path)
 
     kinds = [e[0] for e in events]
     assert kinds[:3] == ["launch"] * 3 and kinds[3:6] == ["wait"] * 3
