@@ -390,3 +390,64 @@ def test_side_by_side_starts_every_server_first_and_alternates_who_runs_a_repeat
     assert "server did not start: no GPU memory left" in entries[2]["error"]
     assert [c["output_tok_s_all"] for c in entries[0]["concurrency"]] == [[10.0] * 3]
     assert {e[1] for e in events if e[0] == "stop"} == {a, b, "dflash5-ours-1"}
+
+
+def test_side_by_side_rerun_skips_a_kept_set_and_counts_a_warm_set_start(monkeypatch, tmp_path):
+    """A rerun whose first set of servers is kept starts only the second set (a kept set is no
+    group to run); and a set is not started when the budget cannot hold a warm start of servers
+    starting together (150 s on the H200), even when the first set measured nothing."""
+    started = []
+
+    def fake_build(models_dir, smoke, depth, dtype):
+        target = Path(models_dir) / "target"
+        target.mkdir(parents=True, exist_ok=True)
+        cfg = {"vocab_size": 1000, "hybrid_override_pattern": "M*", "hidden_size": 8}
+        (target / "config.json").write_text(json.dumps(cfg))
+        return {"target": str(target)}
+
+    def fake_run_servers(args, group, models, vocab, out):
+        started.append([name for _, name in group])
+        return [
+            {"status": "ok", "run_s": 0.0, "startup_s": 200.0, "concurrency": []} for _ in group
+        ]
+
+    monkeypatch.setattr(mt.gl, "build_models", fake_build)
+    monkeypatch.setattr(mt, "run_servers", fake_run_servers)
+    monkeypatch.setattr(mt._common, "plugin_installed", lambda: True)
+    monkeypatch.setattr(mt._common, "versions", lambda: {})
+    monkeypatch.setattr(mt._common, "detect_features", lambda: {})
+    argv = ["--out", str(tmp_path / "out"), "--models-dir", str(tmp_path / "models"),
+            "--runs", "dspark7-upstream,dspark7-ours", "--side-by-side", "--instances", "2",
+            "--min-row-s", "1"]  # fmt: skip
+    both = [["dspark7-upstream#1", "dspark7-ours#1"], ["dspark7-ours#2", "dspark7-upstream#2"]]
+
+    assert mt.main([*argv, "--budget-s", "500"]) == 0
+    assert started == both
+    for name in both[1]:  # the second set was killed before it finished
+        mt.server_result_path(tmp_path / "out", name).unlink()
+    started.clear()
+    assert mt.main([*argv, "--budget-s", "500"]) == 0
+    assert started == both[1:]
+
+    started.clear()
+    assert mt.main([*argv, "--budget-s", "100", "--force"]) == 0
+    assert started == both[:1]  # 0.9 x (0 s measuring + 150 s warm start) > 100 s
+    result = json.loads((tmp_path / "out" / "multiturn.json").read_text())
+    assert [r["status"] for r in result["runs"][-2:]] == ["skipped: time budget"] * 2
+
+
+def test_side_by_side_h200_pairs_accept_alike_at_every_concurrency():
+    """The side-by-side pairs measured on the H200 at concurrency 1, 4 and 16: every server drew
+    the same acceptance per repeat, and the plugin's rows pool their repeat pairs."""
+    stored = _PATH.parent / "results" / "2026-12-03-h200-side-by-side"
+    dflash = json.loads((stored / "dflash5.json").read_text())
+    dspark = json.loads((stored / "dspark7.json").read_text())
+    for result in (dflash, dspark):
+        assert mt.acceptance_differences(result["runs"]) == []
+    lines = mt.markdown(dflash).splitlines()
+    assert "| dflash5-ours | 16 | 1761.5 [1627-1896] | 1.02 [0.88-1.11] | 2 |" in lines
+    assert "| dflash5-ours | 1 | 553.2 [529-578] | 0.97 [0.95-1.08] | 2 |" in lines
+    row16 = [
+        ln for ln in mt.markdown(dspark).splitlines() if ln.startswith("| dspark7-ours#1 | 16 |")
+    ]
+    assert row16 and "| 1.07 [0.89-1.11] |" in row16[0]
