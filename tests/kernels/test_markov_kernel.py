@@ -1,12 +1,9 @@
 """The fused DSpark Markov step (vllm_nemotron_spec.kernels.markov) against the plain-torch walk
 of vllm_nemotron_spec.tiny.reference.
 
-Without CUDA the Triton kernels run in Triton's interpreter. That needs TRITON_INTERPRET=1 in the
-environment BEFORE triton is first imported (triton.language's own jit helpers are decorated then,
-and a launch checks it again), which a pytest session that already imported vLLM cannot give. So on a
-CPU-only machine this module runs its kernel tests in a child pytest process started with
-TRITON_INTERPRET=1 (``test_kernel_tests_in_triton_interpreter``), and skips them in the parent; the
-torch-reference tests run in both. ``TRITON_INTERPRET=1 pytest tests/kernels`` runs them directly.
+Without CUDA the Triton kernels run in Triton's interpreter, in a child pytest process
+(tests/triton_interpreter.py, ``test_kernel_tests_in_triton_interpreter``); the torch-reference
+tests run in both. ``TRITON_INTERPRET=1 pytest tests/kernels`` runs them directly.
 With CUDA the kernel tests run the compiled kernels (bf16 tensor-core dot) on the GPU.
 
 Ties: the kernel and the reference add the same fp32 products in different orders, so two logits
@@ -29,38 +26,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.nvfp4_bytes import raw_nvfp4
+from tests.triton_interpreter import (
+    CUDA,
+    INTERPRETED,
+    in_parent_only,
+    kernel_test,
+    run_module_in_interpreter,
+)
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 from vllm_nemotron_spec.tiny import reference as ref
 
-CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 _MODULE = "vllm_nemotron_spec.kernels.markov"
 
-
-# Kernel tests run here when CUDA is present or when this process was started in the interpreter.
-INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
-RUN_KERNELS = CUDA or INTERPRETED
-kernel_test = pytest.mark.skipif(
-    not RUN_KERNELS,
-    reason="CPU: run in the child process of test_kernel_tests_in_triton_interpreter",
-)
 
 pytest.importorskip("triton")
 mk = importlib.import_module(_MODULE)
 
 
-@pytest.mark.skipif(RUN_KERNELS, reason="the kernel tests run in this process")
+@in_parent_only
 def test_kernel_tests_in_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, tail
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
+    run_module_in_interpreter(__file__)
 
 
 def test_interpreter_state():
@@ -76,14 +63,7 @@ def make_head(vocab: int, rank: int, seed: int, *, raw_bytes: bool = False):
     g = torch.Generator().manual_seed(seed)
     w1 = (0.5 * torch.randn(vocab, rank, generator=g)).to(torch.bfloat16)
     if raw_bytes:
-        packed = torch.randint(0, 256, (vocab, rank // 2), generator=g, dtype=torch.int64)
-        packed[: 256 // (rank // 2) + 1].view(-1)[:256] = torch.arange(256)
-        scale_values = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)])
-        n_scales = vocab * rank // 16
-        scale_bytes = scale_values[torch.arange(n_scales) % len(scale_values)]
-        scale_bytes = scale_bytes[torch.randperm(n_scales, generator=g)]
-        weight = packed.to(torch.uint8)
-        weight_scale = scale_bytes.to(torch.uint8).view(vocab, rank // 16).view(torch.float8_e4m3fn)
+        weight, weight_scale = raw_nvfp4(vocab, rank, g)
         gs = torch.tensor(1e-3, dtype=torch.float32)
     else:
         q = nvfp4.quantize(0.05 * torch.randn(vocab, rank, generator=g))

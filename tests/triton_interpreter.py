@@ -1,0 +1,41 @@
+"""Triton kernel tests on a machine without CUDA.
+
+Triton's interpreter needs TRITON_INTERPRET=1 in the environment BEFORE triton is first imported
+(triton.language's own jit helpers are decorated then, and a launch checks it again), which a
+pytest session that already imported vLLM cannot give. So a kernel test module runs its kernel
+tests in a child pytest process started with TRITON_INTERPRET=1 (:func:`run_module_in_interpreter`)
+and skips them in the parent (:data:`kernel_test`); with CUDA they run on the GPU in place.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
+RUN_KERNELS = CUDA or INTERPRETED
+kernel_test = pytest.mark.skipif(
+    not RUN_KERNELS,
+    reason="CPU: run in the child process of test_kernel_tests_in_triton_interpreter",
+)
+in_parent_only = pytest.mark.skipif(RUN_KERNELS, reason="the kernel tests run in this process")
+
+
+def run_module_in_interpreter(test_file: str) -> None:
+    """Run ``test_file`` in a child pytest with TRITON_INTERPRET=1; assert its tests passed."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(test_file))],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, tail
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
