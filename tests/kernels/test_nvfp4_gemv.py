@@ -14,12 +14,19 @@ order or scale column errs by the size of the output itself, far above it (check
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
 
 from tests.nvfp4_bytes import raw_nvfp4
-from tests.triton_interpreter import CUDA, in_parent_only, kernel_test, run_module_in_interpreter
+from tests.triton_interpreter import (
+    CUDA,
+    INTERPRETED,
+    in_parent_only,
+    kernel_test,
+    run_module_in_interpreter,
+)
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -108,6 +115,8 @@ def test_bad_inputs_name_what_was_expected():
         gv.nvfp4_gemv(x, weight, scale, rows[:16])
     with pytest.raises(ValueError, match="at most 16 rows, got 17"):
         gv.nvfp4_gemv(torch.randn(17, 64), weight, scale, rows)
+    with pytest.raises(TypeError, match="bf16 or fp32 inputs, got torch.float16"):
+        gv.nvfp4_gemv(x.half(), weight, scale, rows)
 
 
 def test_default_config_splits_k_until_every_sm_has_programs():
@@ -117,3 +126,50 @@ def test_default_config_splits_k_until_every_sm_has_programs():
     assert gv.default_config(1, 12288, 2688, 132).split_k == 2  # gate_up: 192 row blocks
     assert gv.default_config(1, 131072, 512, 132).split_k == 1  # markov_w2
     assert gv.default_config(1, 2688, 6144, 132).split_k == 4  # down: K / 4 = 6 tiles
+
+
+def _nvidia_backend() -> bool:
+    try:
+        import triton.backends.nvidia  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except Exception:
+        return False
+    return not INTERPRETED
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="needs Triton's NVIDIA backend (not interpreted)")
+def test_default_config_builds_for_sm90_without_spills():
+    """The default launch shape compiles for the H200 (sm_90) with this Triton (offline: no GPU
+    needed) and keeps its tile in registers: no local-memory stack."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    cfg = gv.default_config(1, 12288, 2688, 132)
+    fn = gv._nvfp4_gemv_kernel
+    names = fn.arg_names
+    const = dict(BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_MODE=1, NATIVE_FP8=True)
+    types = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "out_ptr": "*bf16"}
+    signature = {n: ("constexpr" if n in const else types.get(n, "i32")) for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+    src = ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in const.items()},
+        attrs=attrs,
+    )  # fmt: skip
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    cuobjdump = Path(sys.modules["triton"].__file__).parent / "backends/nvidia/bin/cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump beside Triton to read the register use")
+    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"nvfp4_gemv_sm90_{os.getpid()}.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    usage = subprocess.run(
+        [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True
+    )
+    cubin.unlink()
+    assert int(re.search(r"STACK:(\d+)", usage.stdout).group(1)) == 0, usage.stdout
