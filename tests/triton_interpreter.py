@@ -39,3 +39,13 @@ def run_module_in_interpreter(test_file: str) -> None:
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
+
+
+def nvidia_backend() -> bool:
+    """Whether Triton can compile for an NVIDIA target here (offline builds need no GPU)."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except Exception:
+        return False
+    return not INTERPRETED

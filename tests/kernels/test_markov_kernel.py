@@ -32,6 +32,7 @@ from tests.triton_interpreter import (
     INTERPRETED,
     in_parent_only,
     kernel_test,
+    nvidia_backend,
     run_module_in_interpreter,
 )
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
@@ -452,16 +453,7 @@ def _sm90_build(batch: int, rank: int, cfg, write_logits: bool, prev_from_parts:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def _nvidia_backend():
-    try:
-        import triton.backends.nvidia  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except Exception:
-        return False
-    return not INTERPRETED
-
-
-@pytest.mark.skipif(not _nvidia_backend(), reason="needs Triton's NVIDIA backend (not interpreted)")
+@pytest.mark.skipif(not nvidia_backend(), reason="needs Triton's NVIDIA backend (not interpreted)")
 @pytest.mark.parametrize("batch", [1, 32])
 @pytest.mark.parametrize("write_logits", [False, True])
 def test_kernel_builds_for_sm90_without_spills(batch, write_logits):

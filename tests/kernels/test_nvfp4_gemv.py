@@ -19,17 +19,11 @@ import os
 import pytest
 import torch
 
+from tests import triton_interpreter as ti
 from tests.nvfp4_bytes import raw_nvfp4
-from tests.triton_interpreter import (
-    CUDA,
-    INTERPRETED,
-    in_parent_only,
-    kernel_test,
-    run_module_in_interpreter,
-)
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 
-DEVICE = torch.device("cuda" if CUDA else "cpu")
+DEVICE = torch.device("cuda" if ti.CUDA else "cpu")
 
 pytest.importorskip("triton")
 gv = importlib.import_module("vllm_nemotron_spec.kernels.nvfp4_gemv")
@@ -37,9 +31,9 @@ gv = importlib.import_module("vllm_nemotron_spec.kernels.nvfp4_gemv")
 U_FP32 = 2.0**-24
 
 
-@in_parent_only
+@ti.in_parent_only
 def test_kernel_tests_in_triton_interpreter():
-    run_module_in_interpreter(__file__)
+    ti.run_module_in_interpreter(__file__)
 
 
 def raw_weight(n: int, k: int, seed: int):
@@ -68,7 +62,7 @@ def check(x, weight, scale, rows, cfg=None, swap_nibbles=False):
     return float(err.max()), float(bound.max()), bool((err <= bound).all())
 
 
-@kernel_test
+@ti.kernel_test
 @pytest.mark.parametrize(
     "n,k,m,cfg",
     [
@@ -81,20 +75,20 @@ def check(x, weight, scale, rows, cfg=None, swap_nibbles=False):
 def test_every_code_and_scale_byte_within_the_fp32_bound(n, k, m, cfg):
     weight, scale = raw_weight(n, k, seed=n + k)
     g = torch.Generator().manual_seed(m)
-    dtype = torch.bfloat16 if CUDA else torch.float32
+    dtype = torch.bfloat16 if ti.CUDA else torch.float32
     x = torch.randn(m, k, generator=g).to(dtype)
     err, bound, ok = check(x, weight, scale, row_scales(n), cfg)
     assert ok, f"max error {err:.3e} over the bound (max {bound:.3e})"
 
 
-@kernel_test
+@ti.kernel_test
 def test_a_wrong_nibble_order_is_far_outside_the_bound():
     """The bound discriminates: the same output against the swapped-nibble dequantization."""
     n, k = 32, 128
     q = nvfp4.quantize(0.05 * torch.randn(n, k, generator=torch.Generator().manual_seed(1)))
     rows = torch.full((n,), float(q.weight_scale_2))
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(2))
-    if CUDA:
+    if ti.CUDA:
         x = x.to(torch.bfloat16)
     assert check(x, q.weight, q.weight_scale, rows)[2]
     err, bound, ok = check(x, q.weight, q.weight_scale, rows, swap_nibbles=True)
@@ -128,16 +122,9 @@ def test_default_config_splits_k_until_every_sm_has_programs():
     assert gv.default_config(1, 2688, 6144, 132).split_k == 4  # down: K / 4 = 6 tiles
 
 
-def _nvidia_backend() -> bool:
-    try:
-        import triton.backends.nvidia  # noqa: F401
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-    except Exception:
-        return False
-    return not INTERPRETED
-
-
-@pytest.mark.skipif(not _nvidia_backend(), reason="needs Triton's NVIDIA backend (not interpreted)")
+@pytest.mark.skipif(
+    not ti.nvidia_backend(), reason="needs Triton's NVIDIA backend (not interpreted)"
+)
 def test_default_config_builds_for_sm90_without_spills():
     """The default launch shape compiles for the H200 (sm_90) with this Triton (offline: no GPU
     needed) and keeps its tile in registers: no local-memory stack."""
