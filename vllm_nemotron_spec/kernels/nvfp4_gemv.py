@@ -112,7 +112,7 @@ def default_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     """Enough programs to keep loads in flight on every SM (about four a SM): split K when the
     output rows alone give too few."""
     cfg = GemvConfig()
-    blocks = -(-n // cfg.block_n)
+    blocks = markov._cdiv(n, cfg.block_n)
     split = 1
     while blocks * split < 4 * max(num_sms, 1) and k // (split * 2) >= 4 * cfg.block_k:
         split *= 2
@@ -158,17 +158,18 @@ def nvfp4_gemv(
         )
     if m > 16:
         raise ValueError(f"nvfp4_gemv takes at most 16 rows, got {m}")
+    dot_mode = _dot_mode(x)
     cfg = cfg or default_config(m, n, k, markov._num_sms(x.device))
     x = x.contiguous()
-    tiles = -(-k // cfg.block_k)
-    k_per_split = -(-tiles // cfg.split_k) * cfg.block_k  # whole tiles per split
-    splits = -(-k // k_per_split)
+    tiles = markov._cdiv(k, cfg.block_k)
+    k_per_split = markov._cdiv(tiles, cfg.split_k) * cfg.block_k  # whole tiles per split
+    splits = markov._cdiv(k, k_per_split)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # One split writes the output itself; several write fp32 partials, summed by a second launch.
     out = (
         y[None] if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     )
-    grid = (-(-n // cfg.block_n), splits)
+    grid = (markov._cdiv(n, cfg.block_n), splits)
     launch = (
         {} if markov.interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     )
@@ -176,8 +177,8 @@ def nvfp4_gemv(
         x, weight, weight_scale.view(torch.uint8), row_scale, out, m, n, k,
         x.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), out.stride(1),
         k_per_split, BLOCK_M=16, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_MODE=_dot_mode(x), NATIVE_FP8=markov._native_fp8(x.device), **launch,
+        DOT_MODE=dot_mode, NATIVE_FP8=markov._native_fp8(x.device), **launch,
     )  # fmt: skip
     if splits > 1:
-        _sum_splits_kernel[(-(-m * n // 1024),)](out, y, m * n, SPLITS=splits, BLOCK=1024)
+        _sum_splits_kernel[(markov._cdiv(m * n, 1024),)](out, y, m * n, SPLITS=splits, BLOCK=1024)
     return y
