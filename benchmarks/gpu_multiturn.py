@@ -912,12 +912,13 @@ def main(argv=None) -> int:
         save()
         return True
 
-    def fits(rows: list[str], names_: list[str]) -> bool:
+    def fits(group: list[tuple[str, str]]) -> bool:
+        """Whether a set of (row, server name) fits the budget; records it as skipped if not."""
         remaining = budget.remaining()
-        need = max(budget.need(row) for row in rows)  # a row's servers share caches
+        need = max(budget.need(row) for row, _ in group)  # a row's servers share caches
         if remaining >= need or args.smoke:
             return True
-        for row, name in zip(rows, names_):
+        for row, name in group:
             print(
                 f"{stamp()} {name}: skipped (budget: {remaining:.0f} s left, ~{need:.0f} s needed)"
             )
@@ -942,14 +943,11 @@ def main(argv=None) -> int:
     # together (in reversed row order for odd k: which one runs a repeat first alternates too).
     for instance in range(args.instances):
         rows = names if not (args.side_by_side and instance % 2) else names[::-1]
-        todo = [
-            (row, instance_name(row, instance, args.instances))
-            for row in rows
-            if not not_to_run(row, instance_name(row, instance, args.instances))
-        ]
+        servers = [(row, instance_name(row, instance, args.instances)) for row in rows]
+        todo = [(row, name) for row, name in servers if not not_to_run(row, name)]
         sets = [todo] if args.side_by_side else [[t] for t in todo]
         for group in [g for g in sets if g]:  # a set whose servers are all kept runs nothing
-            if not fits([r for r, _ in group], [n for _, n in group]):
+            if not fits(group):
                 continue
             together = " side by side" if len(group) > 1 else ""
             print(f"{stamp()} {', '.join(n for _, n in group)}: starting{together}", flush=True)

@@ -317,7 +317,9 @@ def time_gemv(shards, x, reference, err_bf16, failures, case):
     best = (t_default, default)
     for fields in GEMV_GRID:
         cfg = gemv.GemvConfig(num_stages=default.num_stages, **fields)
-        if cfg.split_k * cfg.block_k > 2 * k:  # splits with nothing to do
+        if (
+            cfg == default or cfg.split_k * cfg.block_k > 2 * k
+        ):  # timed, or splits with nothing to do
             continue
         try:
             t, _ = time_gemv_config(gemv, x, weight, scale, rows, cfg)
