@@ -5,7 +5,6 @@ GPU (the W4A16 kernel vLLM picks: Humming on Hopper when humming-kernels is inst
 Marlin; CuTe-DSL on SM100; about 1-2 minutes on an H200; Marlin where Humming is installed:
 VLLM_DISABLED_KERNELS=HummingNvFp4LinearKernel):
     python benchmarks/nvfp4_linear.py --out /tmp/nvfp4-linear-gpu
-    python benchmarks/nvfp4_linear.py --out /tmp/nvfp4-gemv --m 1,4,16 --gemv   # + the few-row kernel
 CPU (this plugin's dequantize-at-load method, against dequantizing on the fly in every call):
     python benchmarks/nvfp4_linear.py --device cpu --out /tmp/nvfp4-linear-cpu
 
@@ -280,66 +279,7 @@ def gpu_tolerance(kernel: str, err_bf16: float) -> float:
     return min(2 * err_bf16 + 2**-9, 2**-6)
 
 
-GEMV_GRID = [
-    dict(block_n=bn, block_k=bk, split_k=sk, num_warps=nw)
-    for bn in (32, 64, 128)
-    for bk in (128, 256, 512)
-    for sk in (1, 2, 4, 8, 16)
-    for nw in (4, 8)
-]
-"""Launch shapes ``--gemv`` times for each case and M (the default config's is reported too)."""
-
-
-def gemv_bytes(weight, scale, m: int, n: int, k: int) -> int:
-    """What a few-row NVFP4 linear must move: codes, block scales, row scales, input and output."""
-    return weight.numel() + scale.numel() + 4 * n + 2 * m * (k + n)
-
-
-def time_gemv(shards, x, reference, err_bf16, failures, case):
-    """The project's few-row kernel (kernels/nvfp4_gemv.py) on the same tensors: its error and
-    its time with the default launch shape and with the fastest of :data:`GEMV_GRID`."""
-    from vllm_nemotron_spec.kernels import nvfp4_gemv as gemv
-
-    weight = torch.cat([q.weight for q in shards])
-    scale = torch.cat([q.weight_scale for q in shards])
-    rows = torch.cat([torch.full((q.weight.shape[0],), float(q.weight_scale_2), device=x.device)
-                      for q in shards])  # fmt: skip
-    m, (n, k) = x.shape[0], (weight.shape[0], x.shape[1])
-    y = gemv.nvfp4_gemv(x, weight, scale, rows)
-    err = rel_max_error(y, reference)
-    tol = gpu_tolerance("nvfp4_gemv", err_bf16)
-    if not err <= tol:
-        failures.append(f"{case} M={m} nvfp4_gemv: rel max error {err:.3e} > tolerance {tol:.3e}")
-    default = gemv.default_config(
-        m, n, k, torch.cuda.get_device_properties(0).multi_processor_count
-    )
-    t_default, _ = time_gemv_config(gemv, x, weight, scale, rows, default)
-    best = (t_default, default)
-    for fields in GEMV_GRID:
-        cfg = gemv.GemvConfig(num_stages=default.num_stages, **fields)
-        if (
-            cfg == default or cfg.split_k * cfg.block_k > 2 * k
-        ):  # timed, or splits with nothing to do
-            continue
-        try:
-            t, _ = time_gemv_config(gemv, x, weight, scale, rows, cfg)
-        except Exception as exc:  # noqa: BLE001 - a shape Triton cannot build here (resources)
-            print(f"    nvfp4_gemv {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
-            continue
-        best = min(best, (t, cfg), key=lambda b: b[0])
-    moved = gemv_bytes(weight, scale, m, n, k)
-    return {
-        "rel_max_err_gemv": err, "gemv_ok": err <= tol, "us_gemv_default": t_default,
-        "gemv_default": str(default), "us_gemv": best[0], "gemv_best": str(best[1]),
-        "gemv_bytes": moved, "gemv_tb_s": moved / best[0] / 1e6,
-    }  # fmt: skip
-
-
-def time_gemv_config(gemv, x, weight, scale, rows, cfg):
-    return time_gpu(lambda a: gemv.nvfp4_gemv(a, weight, scale, rows, cfg), x)
-
-
-def run_case_gpu(case, shards, qc, ms, record, failures, gemv=False):
+def run_case_gpu(case, shards, qc, ms, record, failures):
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
     dtype = torch.bfloat16
@@ -382,12 +322,6 @@ def run_case_gpu(case, shards, qc, ms, record, failures, gemv=False):
         if vllm_layer is not None:
             y_vllm = vllm_layer.quant_method.apply(vllm_layer, x)[..., :n]
             row[VLLM_ERR] = rel_max_error(y_vllm, reference)
-        if gemv and m <= 16:
-            row.update(time_gemv(shards, x, reference, err_bf16, failures, case))
-            print(
-                f"    nvfp4_gemv err {row['rel_max_err_gemv']:.2e} | default {row['us_gemv_default']:.1f} us"
-                f" | best {row['us_gemv']:.1f} us ({row['gemv_tb_s']:.2f} TB/s) {row['gemv_best']}"
-            )
         rows.append(row)
         print(
             f"  {case:11s} M={m:3d} {kernel} [{path}] err {err:.2e} (bf16 {err_bf16:.2e},"
@@ -603,23 +537,6 @@ def markdown(env: dict, rows: list[dict], failures: list[str]) -> str:
                 f"{r['rel_max_err_bf16']:.2e} | {'' if vllm_err is None else f'{vllm_err:.2e}'} | "
                 f"{r['us_nvfp4']:.1f} | {r['us_bf16']:.1f} | {r['us_bf16'] / r['us_nvfp4']:.2f}x |"
             )
-        gemv_rows = [r for r in rows if "us_gemv" in r]
-        if gemv_rows:
-            lines += [
-                "",
-                "Few-row kernel (`--gemv`, kernels/nvfp4_gemv.py) on the same tensors; TB/s = "
-                "the bytes it must move (codes, scales, input, output) / its best time:",
-                "",
-                "| case | M | us vLLM's kernel | us gemv, default shape | us gemv, best shape"
-                " | best shape | TB/s | rel max err |",
-                "|---|---|---|---|---|---|---|---|",
-            ]
-            for r in gemv_rows:
-                lines.append(
-                    f"| {r['case']} | {r['m']} | {r['us_nvfp4']:.1f} | {r['us_gemv_default']:.1f} | "
-                    f"{r['us_gemv']:.1f} | {r['gemv_best']} | {r['gemv_tb_s']:.2f} | "
-                    f"{r['rel_max_err_gemv']:.2e} |"
-                )
     else:
         lines += [
             "| case | dtype | M | exact | us dequantized at load | us on the fly"
@@ -651,13 +568,6 @@ def main(argv=None) -> int:
         default=None,
         help="check tensor-parallel shards at these sizes (comma-separated, e.g. 2,4), "
         "one rank at a time, instead of timing",
-    )
-    parser.add_argument(
-        "--gemv",
-        action="store_true",
-        help="GPU, M <= 16: also time the project's few-row NVFP4 kernel "
-        "(vllm_nemotron_spec/kernels/nvfp4_gemv.py) on the same tensors, with its default launch "
-        "shape and the fastest of a grid of shapes, and check its error (fp32-sum tolerance)",
     )
     args = parser.parse_args(argv)
     ms = [int(v) for v in args.m.split(",")]
@@ -697,7 +607,7 @@ def main(argv=None) -> int:
                     for tp in tps:
                         run_case_tp(case, shards, qc, ms, tp, device, rows, failures)
                 elif args.device == "cuda":
-                    run_case_gpu(case, shards, qc, ms, rows, failures, args.gemv)
+                    run_case_gpu(case, shards, qc, ms, rows, failures)
                 else:
                     run_case_cpu(case, shards, qc, ms, args.reps, rows, failures)
             del shards

@@ -451,3 +451,21 @@ def test_side_by_side_h200_pairs_accept_alike_at_every_concurrency():
         ln for ln in mt.markdown(dspark).splitlines() if ln.startswith("| dspark7-ours#1 | 16 |")
     ]
     assert row16 and "| 1.07 [0.89-1.11] |" in row16[0]
+
+
+def test_side_by_side_h200_dspark3_pairs_at_sixteen_on_a_second_machine():
+    """DSpark 3 and DSpark 7 served side by side on a second H200: every server drew the same
+    acceptance per repeat, and the concurrency-16 rows pool both server pairs' repeats."""
+    stored = _PATH.parent / "results" / "2026-12-03-h200-side-by-side" / "second-machine"
+    dspark3 = json.loads((stored / "dspark3.json").read_text())
+    dspark7 = json.loads((stored / "dspark7.json").read_text())
+    for result in (dspark3, dspark7):
+        assert mt.acceptance_differences(result["runs"]) == []
+        assert [r["status"] for r in result["runs"]] == ["ok"] * 4
+    lines = mt.markdown(dspark3).splitlines()
+    assert "| dspark3-ours | 16 | 1887.5 [1672-2103] | 1.04 [0.92-1.12] | 2 |" in lines
+    assert "| dspark3-ours | 1 | 485.0 [446-524] | 1.01 [0.79-1.23] | 2 |" in lines
+    assert (
+        "| dspark7-ours | 4 | 1017.4 [991-1044] | 0.96 [0.90-1.08] | 2 |"
+        in mt.markdown(dspark7).splitlines()
+    )
