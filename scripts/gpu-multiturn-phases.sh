@@ -14,13 +14,14 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /tmp/
 END=${END:-560}
 MTARGS=${MTARGS:---instances 2 --concurrency 1,4 --repeats 3}
 for phase in ${PHASES:?set PHASES=DIR:RUNS ...}; do
-  dir=${phase%%:*} runs=${phase#*:} name=$(basename "${phase%%:*}")
+  dir=${phase%%:*} runs=${phase#*:}
+  name=$(basename "$dir")
   left=$(( END - ($(date +%s) - t0) ))
   if [ "$left" -lt "${MINROW:-150}" ]; then echo "phase $phase skipped: $left s left"; continue; fi
   echo "phase $phase: $left s left"
   mkdir -p "$dir"
-  # shellcheck disable=SC2086  # MTARGS is a list of arguments
   echo "== $(date -u '+%F %T') $phase, $left s left" >> "$dir/$name-calls.log"
+  # shellcheck disable=SC2086  # MTARGS is a list of arguments
   timeout "$left" python3 benchmarks/gpu_multiturn.py --out "$dir" --runs "$runs" $MTARGS \
     --budget-s $(( left - 15 )) >> "$dir/$name-calls.log" 2>&1
   echo "phase $phase: rc $? after $(( $(date +%s) - t0 )) s"
