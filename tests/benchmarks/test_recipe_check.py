@@ -198,8 +198,10 @@ def test_parse_configs():
 
 @pytest.mark.engine
 def test_recipe_check_runs_on_cpu(tiny_family, tmp_path):
-    """plain and DSpark servers, 2 conversations x 2 turns: the second turn's prompt is the first
-    turn's prompt + answer + user text, every output equal to plain's, the trained draft
+    """plain and DSpark servers with prefix caching (Mamba align mode, the KV cache in the model
+    dtype; the fp8 cache is served in tests/e2e/test_recipe_serving.py), 2 conversations x 2
+    turns: the second turn's prompt is the first turn's prompt + answer + user text and reuses its
+    first block, every output and every turn's prefix hits equal to plain's, the trained draft
     accepting what a wrong layout could not (offline it reaches 3.3 at 3 drafts; a wrong anchor
     1.08)."""
     out = tmp_path / "rc"
@@ -213,7 +215,7 @@ def test_recipe_check_runs_on_cpu(tiny_family, tmp_path):
             "--family",
             str(cache),
             "--configs",
-            "plain@base,dspark@base",
+            "plain@prefix,dspark@prefix",
             "--conversations",
             "2",
             "--turns",
@@ -233,9 +235,12 @@ def test_recipe_check_runs_on_cpu(tiny_family, tmp_path):
     result = json.loads((out / "recipe_check.json").read_text())
     rows = {r["name"]: r for r in result["configs"]}
     assert code == 0, result["verdict"]
-    assert rows["plain@base"]["status"] == "ok" and rows["dspark@base"]["status"] == "ok"
-    assert rows["dspark@base"]["comparison"]["exact"]
-    turns = rows["dspark@base"]["turns"]
+    assert rows["plain@prefix"]["status"] == "ok" and rows["dspark@prefix"]["status"] == "ok"
+    comparison = rows["dspark@prefix"]["comparison"]
+    assert comparison["exact"] and comparison["prefix_hits_equal"]
+    assert rows["dspark@prefix"]["cache_config"]["enable_prefix_caching"] == "True"
+    turns = rows["dspark@prefix"]["turns"]
+    assert turns[0]["prefix_cache_hits"] == 0 and turns[1]["prefix_cache_hits"] > 0
     assert [t["prompt_lengths"] for t in turns] == [[150, 150], [150 + 12 + 60] * 2]
     assert [t["prompt_tokens"] for t in turns] == [
         300,
@@ -246,7 +251,7 @@ def test_recipe_check_runs_on_cpu(tiny_family, tmp_path):
     accepted = sum(t["num_accepted_tokens"] for t in turns)
     assert drafts > 0 and 1 + accepted / drafts > 1.5
     assert result["verdict"].startswith("RECIPE CHECK: PASS")
-    assert (out / "recipe_check.md").read_text().count("| dspark@base | ok |") == 1
+    assert (out / "recipe_check.md").read_text().count("| dspark@prefix | ok |") == 1
 
 
 METRICS = """# HELP vllm:prefix_cache_queries Prefix cache queries

@@ -4,7 +4,7 @@ The drafts come from :func:`vllm_nemotron_spec.tiny.train_draft.ensure_trained_d
 once against the tiny family's NemotronH target, then cached): ``dflash`` in vLLM's layout and
 ``dflash_shifted``, the same trainer with the anchor row used as a prediction. Both are the
 official W4A16 NVFP4 layout (fc and MLP linears NVFP4). Each engine (plain, dflash, shifted) is
-built once for the module: fp32, eager, prefix caching off (covered by test_prefix_caching_serve), greedy,
+built once for the module: fp32, eager, prefix caching off (covered by test_recipe_serving), greedy,
 ``ignore_eos``.
 """
 

@@ -7,7 +7,7 @@ FSM" for DFlash with xgrammar). Here each guide of ``guides.py`` (JSON schema, r
 grammar in GBNF and in Lark syntax) runs on the tiny family's trained drafts and on the plain
 target, through ``StructuredOutputsParams``, with the xgrammar backend (JSON without free
 whitespace, ``disable_any_whitespace``; vLLM's ``auto`` choice is served in
-``test_structured_outputs_serving.py``):
+``test_recipe_serving.py``):
 
 - every guided output stops and satisfies its guide, and equals the plain target's guided output
   token for token;

@@ -1,6 +1,6 @@
 """The trailing-block patch: routed Nemotron 3.5 DFlash/DSpark drafts keep the prefix cache's last
 block, every other speculative method keeps vLLM's answer; a tripwire for vLLM 0.32's rule.
-(Equal hit counts and exact outputs through a real server: tests/e2e/test_prefix_caching_serve.py.)"""
+(Equal hit counts and exact outputs through a real server: tests/e2e/test_recipe_serving.py.)"""
 
 from types import SimpleNamespace
 

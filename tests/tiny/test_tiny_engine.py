@@ -53,7 +53,7 @@ def llm(tiny_family):
         model=str(tiny_family.target),
         dtype="float32",
         enforce_eager=True,
-        enable_prefix_caching=False,  # tested on its own in tests/e2e/test_prefix_caching_serve.py
+        enable_prefix_caching=False,  # tested on its own in tests/e2e/test_recipe_serving.py
         max_model_len=512,
         seed=0,
     )

@@ -11,7 +11,7 @@ How:     ``SpeculativeConfig.use_eagle_block_drop`` is wrapped: False for a draf
 Upstream: vLLM PR #54163; vLLM 0.33 has it, so the patch applies to 0.32 only.
 Removal: with vLLM 0.32 support. ``tests/patches/test_nemotron35_prefix_cache_block.py`` checks
          that vLLM 0.32 still drops the block for DFlash/DSpark, and ``tests/e2e/
-         test_prefix_caching_serve.py`` that hits equal plain decoding's turn for turn.
+         test_recipe_serving.py`` that hits equal plain decoding's turn for turn.
 """
 
 from __future__ import annotations
