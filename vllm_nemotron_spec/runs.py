@@ -16,12 +16,15 @@ from dataclasses import dataclass, field
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def set_cpu_engine_defaults() -> None:
-    """Environment for the in-process engine on CPU; a user's own settings win."""
+def set_cpu_engine_defaults(*models: str | None) -> None:
+    """Environment for the in-process engine on CPU; a user's own settings win. Offline (no Hub
+    request at all) only when every model given is a local directory: a Hub id must stay
+    downloadable."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    if all(m is None or os.path.isdir(m) for m in models):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @dataclass

@@ -14,11 +14,21 @@ from typing import Any
 LOGGER_NAME = "vllm.nemotron_spec.target"
 
 
-# speculative method -> our architecture for a Nemotron 3.5 draft (absent: vLLM's own class).
-NEMOTRON35_DRAFT_ARCHITECTURES = {
-    "dflash": "DFlashNemotron35DraftModel",
-    "dspark": "DSparkNemotron35DraftModel",
-}
+DFLASH_ARCH = "DFlashNemotron35DraftModel"
+DSPARK_ARCH = "DSparkNemotron35DraftModel"
+# speculative method -> our architecture for a Nemotron 3.5 draft.
+NEMOTRON35_DRAFT_ARCHITECTURES = {"dflash": DFLASH_ARCH, "dspark": DSPARK_ARCH}
+
+
+def routed_architecture(spec_config: Any) -> str | None:
+    """The plugin's draft architecture a ``SpeculativeConfig`` was routed to by this hook, or None
+    (no speculative config, another method, or a draft the plugin leaves to vLLM)."""
+    if getattr(spec_config, "method", None) not in NEMOTRON35_DRAFT_ARCHITECTURES:
+        return None
+    draft = getattr(spec_config, "draft_model_config", None)
+    archs = list(getattr(getattr(draft, "hf_config", None), "architectures", None) or [])
+    arch = NEMOTRON35_DRAFT_ARCHITECTURES[spec_config.method]
+    return arch if archs == [arch] else None
 
 
 WEIGHTS_CHECKED_ATTR = "nemotron_spec_weights_checked"
@@ -53,6 +63,7 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
     cfg = vllm_draft_config(draft_config)
     if not is_nemotron35_draft_config(cfg):
         return None
+    require_registrations(spec_config, cfg)
     revision = getattr(draft_config, "revision", None)
     report = inspect_checkpoint(
         draft_config.model,
@@ -163,35 +174,81 @@ def drop_nested_sample_from_anchor(hf_config: Any) -> None:
         hf_config.dflash_config = {k: v for k, v in nested.items() if k != "sample_from_anchor"}
 
 
-def require_patches(vllm_config: Any) -> None:
-    """Refuse, in one line, a configuration whose exactness needs a patch of vLLM that is not
-    installed here (another vLLM version, or an upstream change the install detected)."""
+# What a routed draft's exactness needs, refused at start-up without it; the same fixes are only
+# warned about for every other launch (vLLM's own behaviour then applies, as without the plugin).
+SPEC_DECODE_FIXES = ("mamba_spec_decode_padding",)
+CPU_SPEC_DECODE_FIXES = ("cpu_mamba_conv_state", "cpu_mamba_ssm_state", "cpu_expand_kernel")
+CPU_PREFIX_CACHING_FIXES = ("cpu_mamba_align_cache",)
+
+
+def needed_patches(vllm_config: Any, cpu: bool) -> list[str]:
+    """The patches whose fixes this NemotronH configuration relies on."""
+    needed = []
+    if cpu and vllm_config.cache_config.enable_prefix_caching:
+        needed += CPU_PREFIX_CACHING_FIXES
+    if vllm_config.speculative_config is not None:
+        needed += SPEC_DECODE_FIXES
+        if cpu:
+            needed += CPU_SPEC_DECODE_FIXES
+    return needed
+
+
+def require_patches(vllm_config: Any, routed: bool) -> None:
+    """A routed Nemotron 3.5 draft refuses, in one line, a configuration whose exactness needs a
+    patch of vLLM that is not installed here (an upstream change the install detected). Any
+    other launch keeps vLLM's behaviour, with one warning per fix it does not get."""
+    from vllm.logger import init_logger
     from vllm.platforms import current_platform
 
     from vllm_nemotron_spec import patches
-    from vllm_nemotron_spec.patches.v1_nemotron35_proposers import routed_draft_architecture
 
     cpu = current_platform.is_cpu()
-    if cpu and vllm_config.cache_config.enable_prefix_caching:
-        patches.require(
-            "Mamba prefix caching on CPU (--enable-prefix-caching)", "cpu_mamba_align_cache"
-        )
+    needed = needed_patches(vllm_config, cpu)
     spec_config = vllm_config.speculative_config
-    if spec_config is None:
+    if not routed:
+        for name in patches.missing(*needed):
+            init_logger(LOGGER_NAME).warning(
+                "nemotron-spec: the plugin's fix %s (%s) is %s: this launch gets vLLM's own "
+                "behaviour there (%s)",
+                name,
+                patches.entry(name).symbol,
+                patches.state(name),
+                patches.entry(name).why,
+            )
         return
-    feature = f"speculative decoding ({spec_config.method}) on a NemotronH target"
-    needed = ["mamba_spec_decode_padding"]
-    if cpu:
-        needed += ["cpu_mamba_conv_state", "cpu_mamba_ssm_state", "cpu_expand_kernel"]
-    if routed_draft_architecture(vllm_config) and (cpu or not vllm_config.use_v2_model_runner):
+    if cpu or not vllm_config.use_v2_model_runner:
         needed.append("v1_nemotron35_proposers")
-    patches.require(feature, *needed)
+    if cpu and getattr(vllm_config.cache_config, "use_replayssm", False):
+        raise patches.PatchUnavailable(
+            f"the Nemotron 3.5 {spec_config.method} draft on CPU: the plugin's CPU Mamba fixes "
+            "do not cover --use-replayssm; start without it"
+        )
+    patches.require(f"the Nemotron 3.5 {spec_config.method} draft", *needed)
+
+
+def require_registrations(spec_config: Any, draft_cfg: dict) -> None:
+    """The plugin's registrations a routed draft needs: its model classes, and the quantization
+    config of its checkpoint format."""
+    from vllm_nemotron_spec.checkpoint.layout import QUANT_ALGO, modelopt_quant_algo
+    from vllm_nemotron_spec.plugin import require_registered
+
+    quant = draft_cfg.get("quantization_config")
+    concerns = ["models"]
+    if modelopt_quant_algo(quant) == QUANT_ALGO:
+        concerns.append("quantization")
+    elif isinstance(quant, dict) and quant.get("quant_method") == "compressed-tensors":
+        concerns.append("compressed-tensors")
+    require_registered(f"the Nemotron 3.5 {spec_config.method} draft", *concerns)
 
 
 def prepare_nemotron_h_config(vllm_config: Any) -> None:
-    """Everything the plugin sets on a NemotronH target's VllmConfig (see the module docstring)."""
+    """Everything the plugin sets on a NemotronH target's VllmConfig (see the module docstring):
+    only a launch that routes a Nemotron 3.5 draft gets checks, refusals and attention pins."""
     from vllm_nemotron_spec.attention import apply_attention_choice
+    from vllm_nemotron_spec.plugin import announce
 
-    check_and_route_nemotron35_draft(vllm_config)
-    require_patches(vllm_config)
-    apply_attention_choice(vllm_config)
+    announce()
+    routed = check_and_route_nemotron35_draft(vllm_config) is not None
+    require_patches(vllm_config, routed)
+    if routed:
+        apply_attention_choice(vllm_config)

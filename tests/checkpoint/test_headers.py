@@ -8,6 +8,7 @@ import os
 import pytest
 
 from tests import draft_configs as dc
+from vllm_nemotron_spec.checkpoint import headers
 from vllm_nemotron_spec.checkpoint.headers import (
     CheckpointError,
     check_tensors,
@@ -357,4 +358,25 @@ def test_pytorch_weights_in_the_hub_cache_defer_the_header_check(
     assert source.where == (
         f"Hugging Face cache {snapshot} holds PyTorch weights (`pytorch_model.bin`), whose "
         "tensor headers cannot be read without loading them"
+    )
+
+
+@pytest.mark.parametrize("error", [TimeoutError(), ConnectionError(""), OSError("  \n")])
+def test_a_hub_error_without_a_message_defers_the_check_to_load_time(monkeypatch, error):
+    """Start-up must not fail on how an exception is worded: any Hub failure defers the header
+    check to load time, naming the error."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "get_safetensors_metadata", fail)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(headers, "cached_snapshot", lambda model, revision: None)
+    source = headers.draft_headers("nvidia/some-draft", "main")
+    assert source.scan is None
+    assert source.where == (
+        "the Hub's safetensors metadata of nvidia/some-draft@main could not be read "
+        f"({type(error).__name__})"
     )

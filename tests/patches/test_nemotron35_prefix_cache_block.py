@@ -35,7 +35,7 @@ def test_routed_drafts_keep_the_trailing_block_and_vllm_alone_drops_it(tiny_fami
     )
     spec = config.speculative_config
     assert config.cache_config.mamba_cache_mode == "align"
-    assert patch.routed_nemotron35_draft(spec)
+    assert patch.routed_architecture(spec)
     assert spec.use_eagle_block_drop() is False
     # Tripwire: vLLM 0.32 on its own drops it for DFlash/DSpark (0.33 does not).
     assert type(spec).use_eagle_block_drop.__wrapped__(spec) is True, (
@@ -57,7 +57,7 @@ def test_other_drafts_keep_vllms_answer(method, archs):
         method=method,
         draft_model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=archs)),
     )
-    assert not patch.routed_nemotron35_draft(spec)
+    assert patch.routed_architecture(spec) is None
     assert patch._wrap(lambda self: True)(spec) is True
     assert patch._wrap(lambda self: False)(spec) is False
 

@@ -10,7 +10,7 @@ def test_register_chains_vllm_nemotron_h_hook_only():
     assert patches.apply_one("nemotron_h_config_hook")
     hook = models_config.MODELS_CONFIG_MAP["NemotronHForCausalLM"]
     assert patches.apply_one("nemotron_h_config_hook")  # idempotent: no second wrapper
-    assert patches.state("nemotron_h_config_hook") == patches.INSTALLED
+    assert patches.is_installed("nemotron_h_config_hook")
     assert models_config.MODELS_CONFIG_MAP["NemotronHForCausalLM"] is hook
     assert issubclass(hook, models_config.NemotronHForCausalLMConfig)  # vLLM's own hook kept
     after = models_config.MODELS_CONFIG_MAP

@@ -31,8 +31,10 @@ def _config(method, archs):
     ],
 )
 def test_only_routed_drafts_are_taken(method, archs, expected):
-    assert patch.routed_draft_architecture(_config(method, archs)) == expected
-    assert patch.routed_draft_architecture(types.SimpleNamespace(speculative_config=None)) is None
+    from vllm_nemotron_spec.target_hook import routed_architecture
+
+    assert routed_architecture(_config(method, archs).speculative_config) == expected
+    assert routed_architecture(None) is None
 
 
 def test_v1_rejection_dropped_only_for_our_dspark_draft():

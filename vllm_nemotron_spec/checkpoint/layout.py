@@ -13,6 +13,7 @@ scalar (global). Everything else is BF16 at its logical shape.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 DFLASH = "dflash"
 DSPARK = "dspark"
@@ -210,3 +211,23 @@ def checkpoint_layout(config: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
 def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"draft kind must be one of {KINDS}, got {kind!r}")
+
+
+def modelopt_quant_algo(hf_quant_cfg: dict[str, Any] | None) -> str | None:
+    """Upper-cased ``quant_algo`` of a ModelOpt quantization config, None for anything else.
+
+    Accepts the flat config.json form ``{"quant_method": "modelopt", "quant_algo": ...}`` and the
+    nested hf_quant_config.json form ``{"producer": {"name": "modelopt"}, "quantization":
+    {"quant_algo": ...}}`` (with or without a ``quant_method``).
+    """
+    if not isinstance(hf_quant_cfg, dict):
+        return None
+    method = str(hf_quant_cfg.get("quant_method") or "").lower()
+    producer = hf_quant_cfg.get("producer")
+    producer_name = producer.get("name") if isinstance(producer, dict) else None
+    if not (method.startswith("modelopt") or producer_name == "modelopt"):
+        return None
+    nested = hf_quant_cfg.get("quantization")
+    source = nested if isinstance(nested, dict) else hf_quant_cfg
+    algo = source.get("quant_algo")
+    return str(algo).upper() if algo else None

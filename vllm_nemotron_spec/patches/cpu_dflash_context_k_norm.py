@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import Target, replace_when_imported
 
 TARGET_MODULE = "vllm.model_executor.models.qwen3_dflash"
 TARGET_CLASS = "DFlashQwen3Model"
 TARGET_METHOD = "_normalize_context_k"
+
+TARGETS = (
+    Target(TARGET_MODULE, f"{TARGET_CLASS}.{TARGET_METHOD}", {"6e67fd022fc53e08": "0.32.0"}),
+)
 
 
 def normalize_context_k_per_layer(self, all_k: torch.Tensor) -> torch.Tensor:

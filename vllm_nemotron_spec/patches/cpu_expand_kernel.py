@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import Target, replace_when_imported
 
 TARGET_MODULE = "vllm.utils.cpu_triton_utils"
 TARGET_SYMBOL = "_expand_kernel_impl"
+
+TARGETS = (Target(TARGET_MODULE, TARGET_SYMBOL, {"21856f3aafd5ff4f": "0.32.0"}),)
 
 
 def expand_kernel_any_dtype(

@@ -17,16 +17,28 @@ Removal: when upstream's scan guards ``vars(value)``; ``tests/patches/test_cpu_k
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import Target, replace_when_imported
 
 TARGET_MODULE = "vllm.triton_utils.dispatcher"
 TARGET_SYMBOL = "_rebind_kernels"
 
+TARGETS = (Target(TARGET_MODULE, TARGET_SYMBOL, {"70d213d0967b7f43": "0.32.0"}),)
+
 
 def rebind_kernels_skipping_foreign_objects(overrides) -> None:
-    """vLLM 0.32's ``_rebind_kernels``, skipping attribute values whose ``vars()`` is no dict."""
+    """vLLM 0.32's ``_rebind_kernels``, skipping attribute values whose ``vars()`` is no dict.
+    Reading every attribute of every module touches deprecated aliases of other libraries
+    (``torch.distributed.reduce_op``): their FutureWarnings are not the user's concern here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        _rebind(overrides)
+
+
+def _rebind(overrides) -> None:
     originals = {original: wrapper for original, wrapper in overrides}
 
     def lookup(value: Any):

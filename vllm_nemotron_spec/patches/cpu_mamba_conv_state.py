@@ -19,10 +19,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import Target, check_when_imported, replace_when_imported
 
 TARGET_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
 TARGET_SYMBOL = "causal_conv1d_update"
+
+# The CPU op replaced, and the one caller whose arguments the replacement reads (MambaMixer2
+# passes num_accepted_tokens / query_start_loc / max_query_len, never block indices).
+TARGETS = (
+    Target(TARGET_MODULE, TARGET_SYMBOL, {"ca48d9c0f70e707e": "0.32.0"}),
+    Target(TARGET_MODULE, "MambaMixer2.conv_ssm_forward", {"ccd1ae9963ebec4c": "0.32.0"}),
+)
 
 
 def conv1d_update_with_accepted_tokens(
@@ -107,11 +114,6 @@ def _wrap(original):
                 query_start_loc=query_start_loc,
                 **kwargs,
             )
-        if kwargs.get("block_idx_last_scheduled_token") is not None:
-            raise NotImplementedError(
-                "vllm-nemotron-spec: Mamba prefix caching with speculative decoding is not "
-                "supported on CPU; start the engine with enable_prefix_caching=False"
-            )
         return conv1d_update_with_accepted_tokens(
             x,
             conv_state,
@@ -129,4 +131,6 @@ def _wrap(original):
 
 
 def install() -> None:
-    replace_when_imported(__name__.rsplit(".", 1)[-1], TARGET_MODULE, None, TARGET_SYMBOL, _wrap)
+    name = __name__.rsplit(".", 1)[-1]
+    check_when_imported(name, TARGET_MODULE, "MambaMixer2.conv_ssm_forward")
+    replace_when_imported(name, TARGET_MODULE, None, TARGET_SYMBOL, _wrap)

@@ -20,10 +20,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import Target, replace_when_imported
 
 TARGET_MODULE = "vllm.model_executor.layers.mamba.ops.ssu_dispatch"
 TARGET_CLASS = "CPUSSUBackend"
+
+TARGETS = (Target(TARGET_MODULE, "CPUSSUBackend.__call__", {"4b23e4c541ac3de4": "0.32.0"}),)
 
 
 def ssm_update_with_accepted_tokens(

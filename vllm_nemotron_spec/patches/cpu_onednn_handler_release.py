@@ -22,10 +22,12 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import Target, replace_when_imported
 
 TARGET_MODULE = "vllm._custom_ops"
 TARGET_CLASS = "CPUDNNLGEMMHandler"
+
+TARGETS = (Target(TARGET_MODULE, "CPUDNNLGEMMHandler.__del__", {"97ae51c0b5ee8c16": "0.32.0"}),)
 
 
 def handle_of(tensor) -> int:

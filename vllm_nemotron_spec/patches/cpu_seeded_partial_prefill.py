@@ -22,11 +22,18 @@ from __future__ import annotations
 
 import functools
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import Target, check_when_imported, replace_when_imported
 
 TARGET_MODULE = "vllm.v1.worker.cpu_model_runner"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 TARGET_CLASS = "CPUModelRunner"
 TARGET_METHOD = "sample_tokens"
+
+# The method wrapped (inherited from GPUModelRunner), and the rewind it neutralises.
+TARGETS = (
+    Target(TARGET_MODULE, f"{TARGET_CLASS}.{TARGET_METHOD}", {"2dc1bfb20e0f214d": "0.32.0"}),
+    Target(RUNNER_MODULE, "GPUModelRunner._bookkeeping_sync", {"7b001d2e02431419": "0.32.0"}),
+)
 
 
 def discarded_rows_with_generators(runner) -> list[int]:
@@ -58,8 +65,10 @@ def _sample_tokens_sparing_discarded_generators(original):
 
 
 def install() -> None:
+    name = __name__.rsplit(".", 1)[-1]
+    check_when_imported(name, RUNNER_MODULE, "GPUModelRunner._bookkeeping_sync")
     replace_when_imported(
-        __name__.rsplit(".", 1)[-1],
+        name,
         TARGET_MODULE,
         TARGET_CLASS,
         TARGET_METHOD,

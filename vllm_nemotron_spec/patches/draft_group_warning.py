@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import functools
 
-from vllm_nemotron_spec.patches import replace_when_imported
-from vllm_nemotron_spec.patches.v1_nemotron35_proposers import routed_draft_architecture
+from vllm_nemotron_spec.patches import Target, replace_when_imported
+from vllm_nemotron_spec.target_hook import routed_architecture
 
 TARGET_MODULE = "vllm.v1.core.kv_cache_utils"
 TARGET_SYMBOL = "_warn_if_unannotated_eagle_mamba"
+
+TARGETS = (Target(TARGET_MODULE, TARGET_SYMBOL, {"07d0680c575bd599": "0.32.0"}),)
 
 
 def _draft_group_warning(original):
     @functools.wraps(original)
     def wrapper(vllm_config, kv_cache_groups, *args, **kwargs):
-        if routed_draft_architecture(vllm_config) is not None:
+        if routed_architecture(getattr(vllm_config, "speculative_config", None)) is not None:
             return None
         return original(vllm_config, kv_cache_groups, *args, **kwargs)
 

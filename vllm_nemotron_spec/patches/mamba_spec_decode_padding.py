@@ -29,9 +29,20 @@ import inspect
 import textwrap
 from typing import Any, Callable
 
+from vllm_nemotron_spec.patches import Target
+
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_CLASS = "Scheduler"
 TARGET_METHOD = "schedule"
+
+# The function rewritten: a rewrite of any other code would be a guess, so none is made.
+TARGETS = (
+    Target(
+        TARGET_MODULE,
+        f"{TARGET_CLASS}.{TARGET_METHOD}",
+        {"f0bf9ee1ca0e0316": "0.32.0", "4632061d97d252d8": "0.33.0"},
+    ),
+)
 
 # Upstream's padding condition, identical in vLLM 0.32.0 and 0.33.0 (scheduler.py line 1131 in
 # 0.32.0, 1308 in 0.33.0). Reviewing a new vLLM version means reading it against scheduler.py.

@@ -17,26 +17,24 @@ Removal: with vLLM 0.32 support. ``tests/patches/test_nemotron35_prefix_cache_bl
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-from vllm_nemotron_spec.patches import replace_when_imported
-from vllm_nemotron_spec.patches.v1_nemotron35_proposers import DFLASH_ARCH, DSPARK_ARCH
-from vllm_nemotron_spec.target_hook import LOGGER_NAME  # the routing decision's logger
+from vllm_nemotron_spec.patches import Target, replace_when_imported
+from vllm_nemotron_spec.target_hook import LOGGER_NAME, routed_architecture
 
 TARGET_MODULE = "vllm.config.speculative"
 TARGET_CLASS = "SpeculativeConfig"
 TARGET_SYMBOL = "use_eagle_block_drop"
 
+TARGETS = (
+    Target(
+        TARGET_MODULE,
+        f"{TARGET_CLASS}.{TARGET_SYMBOL}",
+        {"48e941f38a9de5f1": "0.32.0"},
+        fixed_upstream={"9f10a755a6398d8c": "0.33.0"},  # needs_eagle_block_drop excludes them
+    ),
+)
+
 _logged = False
-
-
-def routed_nemotron35_draft(spec_config: Any) -> bool:
-    """Whether ``spec_config`` is a DFlash/DSpark draft routed to the plugin's classes."""
-    if getattr(spec_config, "method", None) not in ("dflash", "dspark"):
-        return False
-    draft = getattr(spec_config, "draft_model_config", None)
-    archs = list(getattr(getattr(draft, "hf_config", None), "architectures", None) or [])
-    return archs in ([DFLASH_ARCH], [DSPARK_ARCH])
 
 
 def _wrap(original):
@@ -44,7 +42,7 @@ def _wrap(original):
     def use_eagle_block_drop(self) -> bool:
         global _logged
         drop = original(self)
-        if not drop or not routed_nemotron35_draft(self):
+        if not drop or routed_architecture(self) is None:
             return drop
         if not _logged:
             _logged = True

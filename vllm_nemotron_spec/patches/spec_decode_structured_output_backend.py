@@ -19,11 +19,14 @@ Removal: when upstream validates the combination per request or lm-format-enforc
 
 from __future__ import annotations
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import Target, replace_when_imported
+from vllm_nemotron_spec.target_hook import routed_architecture
 
 TARGET_MODULE = "vllm.sampling_params"
 TARGET_SYMBOL = "SamplingParams.verify"
 NO_ROLLBACK_BACKENDS = ("lm-format-enforcer",)
+
+TARGETS = (Target(TARGET_MODULE, TARGET_SYMBOL, {"7f24d64306afb254": "0.32.0, 0.33.0"}),)
 
 
 def refusal(backend: str, method: str | None) -> str:
@@ -43,7 +46,7 @@ def check(params, speculative_config, structured_outputs_config) -> None:
         params.structured_outputs is None
         or speculative_config is None
         or structured_outputs_config is None
-        or not _routed(speculative_config)
+        or routed_architecture(speculative_config) is None
     ):
         return
     backend = getattr(structured_outputs_config, "backend", None)
@@ -54,14 +57,6 @@ def check(params, speculative_config, structured_outputs_config) -> None:
             refusal(backend, getattr(speculative_config, "method", None)),
             parameter="structured_outputs",
         )
-
-
-def _routed(speculative_config) -> bool:
-    """Whether the draft was routed to one of the plugin's Nemotron 3.5 draft classes."""
-    from vllm_nemotron_spec.patches.v1_nemotron35_proposers import DFLASH_ARCH, DSPARK_ARCH
-
-    hf_config = getattr(getattr(speculative_config, "draft_model_config", None), "hf_config", None)
-    return list(getattr(hf_config, "architectures", None) or []) in ([DFLASH_ARCH], [DSPARK_ARCH])
 
 
 def make_verify(upstream):

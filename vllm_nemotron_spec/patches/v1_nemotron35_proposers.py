@@ -19,33 +19,61 @@ Removal: when the V1 runner accepts DSpark and multi-group DFlash drafts, or V1 
 from __future__ import annotations
 
 import functools
-from typing import Any
 
-from vllm_nemotron_spec.patches import replace_when_imported
+from vllm_nemotron_spec.patches import Target, check_when_imported, replace_when_imported
+from vllm_nemotron_spec.target_hook import DSPARK_ARCH, routed_architecture
 
 V1_DSPARK_REJECTION = "dspark speculative decoding"
-DFLASH_ARCH = "DFlashNemotron35DraftModel"
-DSPARK_ARCH = "DSparkNemotron35DraftModel"
+CONFIG_MODULE = "vllm.config.vllm"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+DFLASH_MODULE = "vllm.v1.spec_decode.dflash"
+BASE_MODULE = "vllm.v1.spec_decode.llm_base_proposer"
+_BOTH = "0.32.0, 0.33.0"
 
-
-def routed_draft_architecture(vllm_config: Any) -> str | None:
-    """The plugin's draft architecture this engine was routed to, or None."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or spec.method not in ("dflash", "dspark"):
-        return None
-    draft = getattr(spec, "draft_model_config", None)
-    archs = list(getattr(getattr(draft, "hf_config", None), "architectures", None) or [])
-    for arch in (DFLASH_ARCH, DSPARK_ARCH):
-        if archs == [arch]:
-            return arch
-    return None
+# The three wrapped methods, and the V1 proposer code the plugin's proposers (proposers/) extend:
+# every base method they override or call through super(), and the propose() loop driving them.
+TARGETS = (
+    Target(
+        CONFIG_MODULE,
+        "VllmConfig._get_v1_model_runner_unsupported_features",
+        {"337b1fe8ad139e9a": "0.32.0", "183e95226168ecad": "0.33.0"},
+    ),
+    Target(
+        RUNNER_MODULE,
+        "GPUModelRunner.__init__",
+        {"e59f6f67cc50027e": "0.32.0", "3671759c9e4c00e2": "0.33.0"},
+    ),
+    Target(RUNNER_MODULE, "GPUModelRunner._input_fits_in_drafter", {"e52b5c9a76c8a122": _BOTH}),
+    Target(DFLASH_MODULE, "DFlashProposer.__init__", {"a3a7e0a685d58faa": _BOTH}),
+    Target(DFLASH_MODULE, "DFlashProposer.set_inputs_first_pass", {"644f432be14df727": _BOTH}),
+    Target(
+        DFLASH_MODULE, "DFlashProposer.build_model_inputs_first_pass", {"56fee4334b03247b": _BOTH}
+    ),
+    Target(
+        DFLASH_MODULE,
+        "DFlashProposer.build_per_group_and_layer_attn_metadata",
+        {"09dcf21d536e4dae": _BOTH},
+    ),
+    Target(BASE_MODULE, "SpecDecodeBaseProposer.propose", {"9500e27f233aae2f": _BOTH}),
+    Target(BASE_MODULE, "SpecDecodeBaseProposer._get_slot_mapping", {"414ab1c119d6d1d0": _BOTH}),
+    Target(BASE_MODULE, "SpecDecodeBaseProposer._sample_draft_tokens", {"4122076b8a61a480": _BOTH}),
+    Target(BASE_MODULE, "SpecDecodeBaseProposer._sample_from_logits", {"8d07854f1a2e3742": _BOTH}),
+    Target(
+        BASE_MODULE, "SpecDecodeBaseProposer.initialize_attn_backend", {"efaa31ff428cc1da": _BOTH}
+    ),
+    Target(
+        BASE_MODULE,
+        "SpecDecodeBaseProposer.validate_same_kv_cache_group",
+        {"b2e09a80eaef779d": _BOTH},
+    ),
+)
 
 
 def _unsupported_features(original):
     @functools.wraps(original)
     def wrapper(self):
         unsupported = original(self)
-        if routed_draft_architecture(self) == DSPARK_ARCH:
+        if routed_architecture(self.speculative_config) == DSPARK_ARCH:
             unsupported = [u for u in unsupported if u != V1_DSPARK_REJECTION]
         return unsupported
 
@@ -56,7 +84,7 @@ def _runner_init(original):
     @functools.wraps(original)
     def wrapper(self, vllm_config, device, *args, **kwargs):
         original(self, vllm_config, device, *args, **kwargs)
-        arch = routed_draft_architecture(vllm_config)
+        arch = routed_architecture(vllm_config.speculative_config)
         if arch is None or not hasattr(self, "drafter"):
             return
         if arch == DSPARK_ARCH:
@@ -85,18 +113,23 @@ def _input_fits(original):
     return wrapper
 
 
-PATCHES = (
+REPLACED = (
     (
-        "vllm.config.vllm",
+        CONFIG_MODULE,
         "VllmConfig",
         "_get_v1_model_runner_unsupported_features",
         _unsupported_features,
     ),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "__init__", _runner_init),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_input_fits_in_drafter", _input_fits),
+    (RUNNER_MODULE, "GPUModelRunner", "__init__", _runner_init),
+    (RUNNER_MODULE, "GPUModelRunner", "_input_fits_in_drafter", _input_fits),
 )
 
 
 def install() -> None:
-    for module, cls_name, attr, make in PATCHES:
-        replace_when_imported(__name__.rsplit(".", 1)[-1], module, cls_name, attr, make)
+    name = __name__.rsplit(".", 1)[-1]
+    replaced = {f"{module}.{cls}.{attr}" for module, cls, attr, _ in REPLACED}
+    for target in TARGETS:
+        if target.where not in replaced:
+            check_when_imported(name, target.module, target.qualname)
+    for module, cls_name, attr, make in REPLACED:
+        replace_when_imported(name, module, cls_name, attr, make)

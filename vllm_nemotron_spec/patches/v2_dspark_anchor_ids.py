@@ -3,24 +3,26 @@
 buffer) and ``_draft_topk`` (reduced-vocabulary drafting, which the fused walk does not do).
 
 How: nothing is replaced. When the speculator module is imported, ``install`` checks that
-``DSparkSpeculator.__init__`` still assigns both fields; if not, the patch is recorded as failed
-and the draft model's ``sample_sequential`` hook declines, so vLLM's own Markov loop runs.
+``DSparkSpeculator.__init__`` still has a checked fingerprint and assigns both fields; if not,
+the patch is not installed and the draft model's ``sample_sequential`` hook declines, so vLLM's
+own Markov loop runs.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from vllm_nemotron_spec.patches import INSTALLED, install_when_imported, state
+from vllm_nemotron_spec.patches import Target, check_when_imported, is_installed
 
 NAME = __name__.rsplit(".", 1)[-1]
 TARGET_MODULE = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
-FIELDS = ("self._anchor_idx", "self._draft_topk")
+TARGETS = (
+    Target(TARGET_MODULE, "DSparkSpeculator.__init__", {"887c11adc2937322": "0.32.0, 0.33.0"}),
+)
 
 
 def installed() -> bool:
-    return state(NAME) == INSTALLED
+    return is_installed(NAME)
 
 
 def anchor_token_ids(speculator: Any, num_reqs: int):
@@ -33,12 +35,5 @@ def draft_topk(speculator: Any) -> int | None:
     return getattr(speculator, "_draft_topk", None)
 
 
-def _check(module) -> None:
-    source = inspect.getsource(module.DSparkSpeculator.__init__)
-    missing = [f for f in FIELDS if f"{f} =" not in source and f"{f}:" not in source]
-    if missing:
-        raise AttributeError(f"DSparkSpeculator.__init__ no longer sets {', '.join(missing)}")
-
-
 def install() -> None:
-    install_when_imported(NAME, TARGET_MODULE, _check)
+    check_when_imported(NAME, TARGET_MODULE, "DSparkSpeculator.__init__")
