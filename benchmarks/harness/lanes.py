@@ -35,7 +35,11 @@ from benchmarks.harness import environment
 
 
 class LaneError(RuntimeError):
-    pass
+    """The lane died or gave no answer in time (it is killed then)."""
+
+
+class CallError(LaneError):
+    """The lane answered with an error; it is alive and holds its engine."""
 
 
 @dataclass
@@ -154,11 +158,11 @@ class Lane:
         return self.receive(timeout)
 
     def call(self, fn: str, timeout: float, **args) -> dict:
-        """Run ``module:function(engine, **args)`` in the lane; its result (``LaneError`` on a
-        failure, with the lane's error)."""
+        """Run ``module:function(engine, **args)`` in the lane; its result. :class:`CallError`
+        when it raised there, :class:`LaneError` when the lane died or ran out of time."""
         reply = self.request({"op": "call", "fn": fn, "args": args}, timeout)
         if not reply.get("ok"):
-            raise LaneError(reply.get("error", "unknown error"))
+            raise CallError(reply.get("error", "unknown error"))
         return reply["result"]
 
     def log_since(self) -> str:

@@ -25,6 +25,7 @@ ids).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import random
 import time
@@ -138,50 +139,22 @@ class OfflineEngine:
     def window(self, kind: str, conc: int, repeat: int, steps: int, input_len: int,
                warmup_steps: int) -> dict:  # fmt: skip
         """One window (see the module doc); its measurements."""
-        from vllm_nemotron_spec.runs import read_spec_counters
-
         max_tokens = max_tokens_for(self.num_spec, warmup_steps, steps)
         ids = self._add(kind, conc, repeat, input_len, max_tokens)
         self._ours, self._finished = set(ids), set()
         counts: dict = {}
         try:
-            for _ in range(MAX_PREFILL_STEPS):
-                if len(counts) >= conc and min(counts.values()) >= 1:
-                    break
-                self._step(counts)
-            else:
-                raise RuntimeError(f"{conc} requests not past their prefill after "
-                                   f"{MAX_PREFILL_STEPS} steps")  # fmt: skip
-            for _ in range(warmup_steps):
-                self._step(counts)
+            self._past_prefill(counts, conc, warmup_steps)
             context = input_len + sum(counts.values()) / max(1, len(counts))
-            profiled = kind in ("busy", "split")
-            ranges = None
-            if profiled:
-                self._sync()
-                started = time.time()
-                if kind == "split":
-                    ranges = instrument.phase_ranges(self.runner, self.num_spec > 0)
-                    installed = ranges.__enter__()
-                self._start_profile(kind)
-            spec0, tokens0, mark = read_spec_counters(self.llm), sum(counts.values()), None
-            mark = self.counter.mark()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                self._step(counts)
-            if profiled:
-                self._sync()
-            wall = time.perf_counter() - t0
-            if profiled:
-                self.llm.stop_profile()
-                if ranges is not None:
-                    ranges.__exit__(None, None, None)
-            counted, shapes = self.counter.since(mark)
-            spec = read_spec_counters(self.llm).minus(spec0)
-            tokens = sum(counts.values()) - tokens0
+            if kind in ("busy", "split"):
+                measured, trace_info = self._profiled(kind, counts, steps)
+            else:
+                measured, trace_info = self._timed(counts, steps), {}
         finally:
             self._drain(ids)
+        counted, shapes = measured["steps"], measured["shapes"]
         expected = f"{conc}x{conc * (self.num_spec + 1)}"
+        wall, tokens, spec = measured["wall_s"], measured["tokens"], measured["spec"]
         out = {
             "kind": kind, "conc": conc, "repeat": repeat, "steps": counted, "step_calls": steps,
             "wall_s": wall, "tokens": tokens, "context_at_start": round(context, 1),
@@ -193,11 +166,60 @@ class OfflineEngine:
             "shapes": shapes, "decode_only": set(shapes) == {expected},
             "expected_shape": expected, "finished_inside": len(self._finished),
         }  # fmt: skip
-        if profiled:
-            out.update(self._read_trace(kind, started, counted))
-            if kind == "split":
-                out["ranges"] = installed
+        if trace_info:
+            out.update(self._read_trace(kind, trace_info, counted))
         return out
+
+    def _past_prefill(self, counts: dict, conc: int, warmup_steps: int) -> None:
+        """Steps until every request has its first token, then ``warmup_steps`` more."""
+        for _ in range(MAX_PREFILL_STEPS):
+            if len(counts) >= conc and min(counts.values()) >= 1:
+                break
+            self._step(counts)
+        else:
+            raise RuntimeError(f"{conc} requests not past their prefill after "
+                               f"{MAX_PREFILL_STEPS} steps")  # fmt: skip
+        for _ in range(warmup_steps):
+            self._step(counts)
+
+    def _timed(self, counts: dict, steps: int, sync: bool = False) -> dict:
+        """``steps`` engine steps: wall time, the runner's step count and batch shapes, tokens,
+        spec-decode counters."""
+        from vllm_nemotron_spec.runs import read_spec_counters
+
+        spec0, tokens0 = read_spec_counters(self.llm), sum(counts.values())
+        mark = self.counter.mark()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self._step(counts)
+        if sync:
+            self._sync()
+        wall = time.perf_counter() - t0
+        counted, shapes = self.counter.since(mark)
+        return {
+            "wall_s": wall,
+            "steps": counted,
+            "shapes": shapes,
+            "tokens": sum(counts.values()) - tokens0,
+            "spec": read_spec_counters(self.llm).minus(spec0),
+        }
+
+    def _profiled(self, kind: str, counts: dict, steps: int) -> tuple[dict, dict]:
+        """A timed window inside vLLM's profiler (device synchronized on both sides, so the
+        trace holds exactly its steps), with the phase ranges for ``split``."""
+        self._sync()
+        info = {"started": time.time()}
+        with contextlib.ExitStack() as stack:
+            if kind == "split":
+                info["ranges"] = stack.enter_context(
+                    instrument.phase_ranges(self.runner, self.num_spec > 0)
+                )
+            self._start_profile(kind)
+            try:
+                measured = self._timed(counts, steps, sync=True)
+            finally:
+                self.llm.stop_profile()
+        return measured, info
 
     def _start_profile(self, kind: str) -> None:
         """``llm.start_profile`` with CUDA activity (``busy``) or CPU and CUDA activity
@@ -210,8 +232,8 @@ class OfflineEngine:
         else:
             self.llm.start_profile(f"{kind}")
 
-    def _read_trace(self, kind: str, started: float, steps: int) -> dict:
-        path = trace.newest_trace(self.trace_dir, after=started - 1)
+    def _read_trace(self, kind: str, info: dict, steps: int) -> dict:
+        path = trace.newest_trace(self.trace_dir, after=info["started"] - 1)
         if path is None:
             raise RuntimeError(f"no profiler trace under {self.trace_dir} after the {kind} window")
         events = trace.load_events(path)
@@ -227,6 +249,7 @@ class OfflineEngine:
             split = trace.by_priority(trace.assign_ranges(events), instrument.PRIORITY)
             out["parts_ms_per_step"] = {k: v / 1e3 / steps for k, v in split["us"].items()}
             out["parts_count_per_step"] = {k: v / steps for k, v in split["count"].items()}
+            out["ranges"] = info.get("ranges")
             out["top_kernels"] = {
                 part: [[name, round(us / 1e3 / steps, 4)] for name, us in
                        sorted(kernels.items(), key=lambda kv: -kv[1])[:5]]

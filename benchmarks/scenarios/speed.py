@@ -188,8 +188,11 @@ def choose_side_by_side(args, models) -> bool:
 
 
 def cells(args) -> list[tuple[str, int, int]]:
-    """(kind, concurrency, repeat), in the order measured: every wall window, then profiles."""
-    out = [("wall", c, r) for c in args.concurrency for r in range(args.repeats)]
+    """(kind, concurrency, repeat), in the order measured: an untimed ``warm`` window per
+    concurrency (an engine's first windows of a shape run kernels compiled on first use), every
+    wall window, then the profiled ones."""
+    out = [("warm", c, 0) for c in args.concurrency]
+    out += [("wall", c, r) for c in args.concurrency for r in range(args.repeats)]
     if args.profile_steps:
         out += [(k, c, 0) for c in args.concurrency for k in ("busy", "split")]
     return out
@@ -203,40 +206,50 @@ def measure_estimate(args) -> float:
 
 def make_measure(run: Run, args, lanes_, result: dict, save):
     """The schedule's ``measure``: a group's cells, its arms in turn (the order flips every
-    other repeat, so neither arm always runs first), each window checked against the budget."""
+    other repeat, so neither arm always runs first), each window checked against the budget. A
+    window that fails is recorded and the others go on; a lane that dies ends its arm."""
 
     def measure(arms: list[lanes.Arm]) -> None:
         for kind, conc, repeat in cells(args):
-            order = arms if repeat % 2 == 0 else arms[::-1]
-            for arm in order:
-                label = f"{kind}-c{conc}"
-                need = run.budget.work_estimate(label, 20.0 if kind == "wall" else 40.0)
-                entry = result["arms"][arm.name]
-                if not run.budget.fits(need):
-                    entry.setdefault("skipped_cells", []).append(
-                        f"{kind} c{conc} r{repeat}: " + run.budget.skipped("the window", need)
-                    )
-                    continue
-                steps = args.steps if kind == "wall" else args.profile_steps
-                t0 = run.budget.elapsed()
-                try:
-                    window = lanes_[arm.lane].call(
-                        "benchmarks.harness.offline:run_window", timeout=max(60.0, run.budget.remaining()),
-                        kind=kind, conc=conc, repeat=repeat, steps=steps, input_len=args.input_len,
-                        warmup_steps=args.warmup_steps,
-                    )  # fmt: skip
-                except lanes.LaneError as exc:
-                    arm.status = f"error: {exc}"[:500]
-                    run.say(f"{arm.name}: {kind} c{conc}: {exc}")
-                    entry["status"] = arm.status
+            for arm in arms if repeat % 2 == 0 else arms[::-1]:
+                if arm.status == "ready":
+                    measure_window(run, args, lanes_[arm.lane], arm, result, (kind, conc, repeat))
                     save()
-                    return
-                run.budget.record_work(label, run.budget.elapsed() - t0)
-                entry["windows"].append(window)
-                run.say(f"{arm.name} {kind} c{conc} r{repeat}: {describe(window)}")
-                save()
 
     return measure
+
+
+def measure_window(run: Run, args, lane, arm, result: dict, cell: tuple) -> None:
+    kind, conc, repeat = cell
+    label = f"{kind}-c{conc}"
+    need = run.budget.work_estimate(label, 20.0 if kind in ("wall", "warm") else 40.0)
+    entry = result["arms"][arm.name]
+    if not run.budget.fits(need):
+        entry.setdefault("skipped_cells", []).append(
+            f"{kind} c{conc} r{repeat}: " + run.budget.skipped("the window", need)
+        )
+        return
+    steps = args.profile_steps if kind in ("busy", "split") else args.steps
+    if kind == "warm":
+        steps = min(args.steps, 16)
+    t0 = run.budget.elapsed()
+    try:
+        window = lane.call(
+            "benchmarks.harness.offline:run_window", timeout=max(60.0, run.budget.remaining()),
+            kind=kind, conc=conc, repeat=repeat, steps=steps, input_len=args.input_len,
+            warmup_steps=args.warmup_steps,
+        )  # fmt: skip
+    except lanes.CallError as exc:
+        entry.setdefault("window_errors", []).append(f"{kind} c{conc} r{repeat}: {exc}"[:1000])
+        run.say(f"{arm.name}: {kind} c{conc} r{repeat} failed: {str(exc)[:300]}")
+        return
+    except lanes.LaneError as exc:
+        arm.status = entry["status"] = f"error: {exc}"[:500]
+        run.say(f"{arm.name}: {kind} c{conc}: {exc}")
+        return
+    run.budget.record_work(label, run.budget.elapsed() - t0)
+    entry["windows"].append(window)
+    run.say(f"{arm.name} {kind} c{conc} r{repeat}: {describe(window)}")
 
 
 def describe(w: dict) -> str:
@@ -447,6 +460,7 @@ def checks(entry: dict, conc: int) -> str:
         if w.get("finished_inside"):
             notes.append(f"{w['kind']} r{w['repeat']}: {w['finished_inside']} requests ended")
     notes += [s for s in entry.get("skipped_cells", []) if f" c{conc} " in s]
+    notes += [s[:200] for s in entry.get("window_errors", []) if f" c{conc} " in s]
     status = str(entry.get("status", ""))
     if status not in ("ok", "kept", "pending", "ready"):
         notes.append(status[:200])
