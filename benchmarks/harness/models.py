@@ -487,33 +487,37 @@ def fix_dummy_routing(model, seed: int = 1234) -> int:
 
 
 def routing_spread(model, tokens: int = 64, seed: int = 0) -> dict | None:
-    """How many of the first MoE block's experts ``tokens`` random tokens pick, from the router's
-    loaded weights and bias applied to the (normalized) token embeddings; beside the count that
-    uniform routing gives. A count near top-k means the router is bias-dominated (degenerate)."""
+    """How many of the first MoE block's experts ``tokens`` random tokens pick: the block's
+    RMSNorm (its loaded weight) and router (loaded weights and bias) applied to the token
+    embeddings, beside the count uniform routing gives. A count near top-k means the router is
+    bias-dominated (degenerate routing)."""
     import torch
 
     from benchmarks.harness.floors import distinct_experts
 
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    moe = next(
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    layer = next(
         (
             m
-            for m in model.modules()
-            if hasattr(getattr(m, "gate", None), "e_score_correction_bias")
+            for m in getattr(inner, "layers", [])
+            if hasattr(getattr(getattr(m, "mixer", None), "gate", None), "e_score_correction_bias")
         ),
         None,
     )
-    if embed is None or moe is None:
+    if embed is None or layer is None:
         return None
-    gate = moe.gate
+    gate, norm = layer.mixer.gate, getattr(getattr(layer, "norm", None), "weight", None)
     weight = embed.weight
     gen = torch.Generator(device=weight.device).manual_seed(seed)
     ids = torch.randint(0, weight.shape[0], (tokens,), generator=gen, device=weight.device)
+    top_k = getattr(getattr(layer.mixer, "experts", None), "top_k", 6)
     with torch.no_grad():
         x = weight[ids].float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        if norm is not None:
+            x = x * norm.float()
         scores = torch.sigmoid(x @ gate.weight.float().t()) + gate.e_score_correction_bias.float()
-        top_k = moe.experts.top_k if hasattr(moe.experts, "top_k") else 6
         picked = scores.topk(top_k, dim=-1).indices.unique().numel()
     experts = scores.shape[-1]
     return {
