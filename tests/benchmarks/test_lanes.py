@@ -123,18 +123,18 @@ def test_an_engine_that_fails_to_start_is_recorded_and_its_pair_is_measured_alon
 
 @pytest.mark.parametrize("text", ["dspark3", "dspark3,plain", "plain,dflash5-plugin"])
 def test_speed_arms_parse_into_groups(text):
-    from benchmarks.scenarios import speed
+    from benchmarks.harness.arms import parse_arms
 
-    groups = speed.parse_arms(text)
+    groups = parse_arms(text)
     flat = [a for g in groups for a in g]
     assert all(a == "plain" or a.endswith(("-alone", "-plugin")) for a in flat)
     assert len(flat) == len(set(flat))
 
 
 def test_speed_arms_refuse_unknown_names():
-    from benchmarks.scenarios import speed
+    from benchmarks.harness.arms import parse_arms
 
     with pytest.raises(SystemExit, match="unknown arm 'dspark4'"):
-        speed.parse_arms("dspark4")
+        parse_arms("dspark4")
     with pytest.raises(SystemExit, match="names an arm twice"):
-        speed.parse_arms("dspark3,dspark3-plugin")
+        parse_arms("dspark3,dspark3-plugin")
