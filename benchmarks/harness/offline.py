@@ -35,6 +35,8 @@ from pathlib import Path
 from benchmarks.harness import instrument, trace
 
 MAX_PREFILL_STEPS = 256
+PROFILED = ("busy", "split", "draft")
+"""Profiled kinds: ``busy`` with CUDA activity only, the others with CPU activity too."""
 
 
 def request_seed(kind: str, conc: int, repeat: int, index: int) -> int:
@@ -137,8 +139,10 @@ class OfflineEngine:
             torch.cuda.synchronize()
 
     def window(self, kind: str, conc: int, repeat: int, steps: int, input_len: int,
-               warmup_steps: int) -> dict:  # fmt: skip
-        """One window (see the module doc); its measurements."""
+               warmup_steps: int, ranges=None, analyse=None) -> dict:  # fmt: skip
+        """One window (see the module doc); its measurements. A profiled window with CPU activity
+        may bring its own ``ranges`` (a context manager factory; ``split``: the runner's phases)
+        and ``analyse(events, steps) -> dict`` of the trace (``split``: GPU time by phase)."""
         max_tokens = max_tokens_for(self.num_spec, warmup_steps, steps)
         ids = self._add(kind, conc, repeat, input_len, max_tokens)
         self._ours, self._finished = set(ids), set()
@@ -146,8 +150,8 @@ class OfflineEngine:
         try:
             self._past_prefill(counts, conc, warmup_steps)
             context = input_len + sum(counts.values()) / max(1, len(counts))
-            if kind in ("busy", "split"):
-                measured, trace_info = self._profiled(kind, counts, steps)
+            if kind in PROFILED:
+                measured, trace_info = self._profiled(kind, counts, steps, ranges)
             else:
                 measured, trace_info = self._timed(counts, steps), {}
         finally:
@@ -167,7 +171,7 @@ class OfflineEngine:
             "expected_shape": expected, "finished_inside": len(self._finished),
         }  # fmt: skip
         if trace_info:
-            out.update(self._read_trace(kind, trace_info, counted))
+            out.update(self._read_trace(kind, trace_info, counted, analyse))
         return out
 
     def _past_prefill(self, counts: dict, conc: int, warmup_steps: int) -> None:
@@ -204,16 +208,16 @@ class OfflineEngine:
             "spec": read_spec_counters(self.llm).minus(spec0),
         }
 
-    def _profiled(self, kind: str, counts: dict, steps: int) -> tuple[dict, dict]:
+    def _profiled(self, kind: str, counts: dict, steps: int, ranges) -> tuple[dict, dict]:
         """A timed window inside vLLM's profiler (device synchronized on both sides, so the
         trace holds exactly its steps), with the phase ranges for ``split``."""
         self._sync()
         info = {"started": time.time()}
+        if ranges is None and kind == "split":
+            ranges = lambda: instrument.phase_ranges(self.runner, self.num_spec > 0)  # noqa: E731
         with contextlib.ExitStack() as stack:
-            if kind == "split":
-                info["ranges"] = stack.enter_context(
-                    instrument.phase_ranges(self.runner, self.num_spec > 0)
-                )
+            if ranges is not None:
+                info["ranges"] = stack.enter_context(ranges())
             self._start_profile(kind)
             try:
                 measured = self._timed(counts, steps, sync=True)
@@ -222,9 +226,9 @@ class OfflineEngine:
         return measured, info
 
     def _start_profile(self, kind: str) -> None:
-        """``llm.start_profile`` with CUDA activity (``busy``) or CPU and CUDA activity
-        (``split``: the ranges are CPU events), the latter through ``profiler_kwargs``."""
-        if kind == "split" and self.device == "cuda":
+        """``llm.start_profile`` with CUDA activity (``busy``) or CPU and CUDA activity (the
+        others: the ranges are CPU events), the latter through ``profiler_kwargs``."""
+        if kind != "busy" and self.device == "cuda":
             import torch
 
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -232,7 +236,7 @@ class OfflineEngine:
         else:
             self.llm.start_profile(f"{kind}")
 
-    def _read_trace(self, kind: str, info: dict, steps: int) -> dict:
+    def _read_trace(self, kind: str, info: dict, steps: int, analyse=None) -> dict:
         path = trace.newest_trace(self.trace_dir, after=info["started"] - 1)
         if path is None:
             raise RuntimeError(f"no profiler trace under {self.trace_dir} after the {kind} window")
@@ -245,7 +249,10 @@ class OfflineEngine:
             "span_ms": trace.span_us(events) / 1e3,
             "device_events": len(trace.device_events(events)),
         }
-        if kind == "split":
+        if analyse is not None:
+            out.update(analyse(events, steps))
+            out["ranges"] = info.get("ranges")
+        elif kind == "split":
             split = trace.by_priority(trace.assign_ranges(events), instrument.PRIORITY)
             out["parts_ms_per_step"] = {k: v / 1e3 / steps for k, v in split["us"].items()}
             out["parts_count_per_step"] = {k: v / steps for k, v in split["count"].items()}
