@@ -36,10 +36,10 @@ def _files_in(dest: Path) -> int:
     return sum(1 for p in dest.rglob("*") if p.is_file()) if dest.is_dir() else 0
 
 
-def split_into_parts(
-    data: bytes, dest: Path, stem: str, part_bytes: int = PART_BYTES
-) -> list[Path]:
-    """``data`` as ``<stem>`` (one part) or ``<stem>.part-00``, ``-01``, ... in ``dest``."""
+def split_into_parts(data: bytes, dest: Path, stem: str, part_bytes: int | None = None) -> list:
+    """``data`` as ``<stem>`` (one part) or ``<stem>.part-00``, ``-01``, ... in ``dest``, each
+    at most ``part_bytes`` (default :data:`PART_BYTES`)."""
+    part_bytes = part_bytes or PART_BYTES
     dest.mkdir(parents=True, exist_ok=True)
     chunks = [data[i : i + part_bytes] for i in range(0, len(data), part_bytes)] or [b""]
     if len(chunks) == 1:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from benchmarks.harness import bundle, environment, report
@@ -58,6 +61,10 @@ class Run:
             self.say(bundle.restore_caches(Path(args.caches)))
         path = self.out / f"{name}.json"
         self.previous = json.loads(path.read_text()) if path.is_file() else None
+        self.trace_root = (
+            Path(tempfile.gettempdir()) / "nemotron-spec-traces" / f"{name}-{os.getpid()}"
+        )
+        """Where the lanes' profiler traces go (read, summarized and deleted; not in --out)."""
 
     def say(self, message: str) -> None:
         print(f"[{self.budget.elapsed():5.0f}s] {message}", flush=True)
@@ -69,6 +76,7 @@ class Run:
     def finish(self, title: str, result: dict, tables: list[report.Table]) -> Path:
         """The final report, printed, and the bundle where ``--bundle`` asks for one."""
         md = self.save(title, result, tables)
+        shutil.rmtree(self.trace_root, ignore_errors=True)
         print(md.read_text(), flush=True)
         if getattr(self.args, "bundle", None):
             files = bundle.bundle_results(self.out, Path(self.args.bundle), self.name)

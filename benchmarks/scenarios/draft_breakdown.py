@@ -344,8 +344,7 @@ def run(args) -> int:
 
     envs = {"alone": environment.engine_env(False), "plugin": environment.engine_env(True)}
     used = {a.lane for g in arm_groups for a in g}
-    trace_root = run_.out.parent / f".traces-{run_.out.name}"
-    with lanes.Lanes({k: v for k, v in envs.items() if k in used}, run_.out, trace_root,
+    with lanes.Lanes({k: v for k, v in envs.items() if k in used}, run_.out, run_.trace_root,
                      run_.device) as lanes_:  # fmt: skip
         lanes.run_groups(arm_groups, lanes_, run_.budget, measure, record, 1)
     run_.finish(TITLE, result, tables(result))

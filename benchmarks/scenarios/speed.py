@@ -302,10 +302,9 @@ def run(args) -> int:
 
     envs = {"alone": environment.engine_env(False), "plugin": environment.engine_env(True)}
     used = {a.lane for g in arm_groups for a in g}
-    trace_root = Path("/tmp") / f"nemotron-spec-traces-{run_.out.name}"
     run_.say(f"arms: {[[a.name for a in g] for g in arm_groups]}; "
              f"{'side by side' if side else 'one engine at a time'}")  # fmt: skip
-    with lanes.Lanes({k: v for k, v in envs.items() if k in used}, run_.out, trace_root,
+    with lanes.Lanes({k: v for k, v in envs.items() if k in used}, run_.out, run_.trace_root,
                      run_.device) as lanes_:  # fmt: skip
         measure = make_measure(run_, args, lanes_, result, save)
         lanes.run_groups(arm_groups, lanes_, run_.budget, measure, record, 2 if side else 1)
