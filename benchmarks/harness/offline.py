@@ -44,8 +44,9 @@ def request_seed(kind: str, conc: int, repeat: int, index: int) -> int:
     return zlib.crc32(f"{kind}/{conc}/{repeat}/{index}".encode())
 
 
-def prompt_ids(vocab: int, length: int, conc: int, repeat: int, index: int) -> list[int]:
-    rng = random.Random(f"prompt/{conc}/{repeat}/{index}")
+def prompt_ids(vocab: int, length: int, kind: str, conc: int, repeat: int, index: int) -> list:
+    """One request's prompt: random tokens, the same in every arm for the same window."""
+    rng = random.Random(f"prompt/{kind}/{conc}/{repeat}/{index}")
     return [rng.randrange(10, vocab) for _ in range(length)]
 
 
@@ -118,7 +119,7 @@ class OfflineEngine:
                 detokenize=False,
                 seed=request_seed(kind, conc, repeat, i),
             )
-            prompt = {"prompt_token_ids": prompt_ids(self.vocab, input_len, conc, repeat, i)}
+            prompt = {"prompt_token_ids": prompt_ids(self.vocab, input_len, kind, conc, repeat, i)}
             self.llm.llm_engine.add_request(rid, prompt, params)
             ids.append(rid)
         return ids
