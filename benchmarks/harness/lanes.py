@@ -9,8 +9,9 @@ the process's imports and the machine's compile caches).
 
 The schedule (:func:`run_groups`): arms come in groups, measured in group order; the arms of a
 group are measured together (a pair: vLLM alone and the plugin with the same draft, their
-windows interleaved). A lane starts building its next arm as soon as it holds none, so the next
-group's engines start while the current group is measured or while another lane still builds;
+windows interleaved). A lane starts building its next arm as soon as it holds none, so engines of
+later groups start beside the ones this group still waits for; nothing is measured while an
+engine starts (its compilation and graph capture share the CPUs and the GPU);
 with ``max_resident=1`` (GPU memory for one engine) only one engine exists at a time and every
 arm is measured on its own. Before each build the budget decides whether the arm can still
 finish; an arm that cannot is skipped and says so.
@@ -239,8 +240,9 @@ def run_groups(groups: list[list[Arm]], lanes: Lanes, budget, measure, record, m
             while True:
                 _release_done(lanes, done)
                 _start_builds(lanes, queues, order, budget, record, max_resident, done)
-                waiting = [a for a in group if a.name not in done and a.status != "ready"]
-                if not waiting or not any(lane.building for lane in lanes):
+                # measure only once no engine is starting: a start compiles and captures on the
+                # same CPUs and GPU the measurement uses
+                if not any(lane.building for lane in lanes):
                     break
                 _wait_for_build(lanes, budget, record, done)
             ready = [a for a in group if a.status == "ready"]
