@@ -18,8 +18,8 @@ class FakeProc:
 class FakeLane:
     """What run_groups uses of a Lane; answers builds in the order they were sent."""
 
-    def __init__(self, name, log, fail=()):
-        self.name, self.log, self.fail = name, log, set(fail)
+    def __init__(self, name, log, fail=(), slow=()):
+        self.name, self.log, self.fail, self.slow = name, log, set(fail), dict.fromkeys(slow, 3)
         self.held, self.building, self.proc = None, False, FakeProc()
         self.log_path, self.pending = f"{name}.log", []
 
@@ -34,10 +34,14 @@ class FakeLane:
         self.pending.append(op["arm"]["name"])
 
     def ready(self):
+        if self.pending and self.slow.get(self.pending[0], 0) > 0:
+            self.slow[self.pending[0]] -= 1  # still starting
+            return False
         return bool(self.pending)
 
     def receive(self, timeout):
         name = self.pending.pop(0)
+        self.log.append(("up", name))
         if name in self.fail:
             return {"ok": False, "error": "ValueError: no such kernel"}
         return {"ok": True, "startup_s": 1.0}
@@ -51,8 +55,8 @@ class FakeLane:
 
 
 class FakeLanes(lanes.Lanes):
-    def __init__(self, log, fail=()):
-        self.by_name = {n: FakeLane(n, log, fail) for n in ("alone", "plugin")}
+    def __init__(self, log, fail=(), slow=()):
+        self.by_name = {n: FakeLane(n, log, fail, slow) for n in ("alone", "plugin")}
 
 
 def arm(name):
@@ -67,21 +71,21 @@ def groups():
     ]
 
 
-def run(max_resident, budget=None, fail=()):
+def run(max_resident, budget=None, fail=(), slow=()):
     log, recorded = [], []
     gs = groups()
 
     def measure(arms):
         log.append(("measure", tuple(a.name for a in arms)))
 
-    lanes.run_groups(gs, FakeLanes(log, fail), budget or Budget(1e6, 1.0),
+    lanes.run_groups(gs, FakeLanes(log, fail, slow), budget or Budget(1e6, 1.0),
                      measure, lambda a: recorded.append((a.name, a.status)), max_resident)  # fmt: skip
     return log, recorded, gs
 
 
 def test_side_by_side_builds_each_lanes_next_arm_as_soon_as_it_is_free():
     log, _, gs = run(max_resident=2)
-    assert log == [
+    assert [e for e in log if e[0] != "up"] == [
         ("build", "d3-alone"), ("build", "d3-plugin"),
         ("measure", ("d3-alone", "d3-plugin")),
         ("release", "d3-alone"), ("release", "d3-plugin"),
@@ -91,6 +95,16 @@ def test_side_by_side_builds_each_lanes_next_arm_as_soon_as_it_is_free():
         ("measure", ("d7-alone", "d7-plugin")),
     ]  # fmt: skip
     assert all(a.status == "ok" for g in gs for a in g)
+
+
+def test_nothing_is_measured_while_an_engine_starts():
+    log, _, _ = run(max_resident=2, slow={"d7-plugin"})
+    assert log.index(("up", "d7-plugin")) < log.index(("measure", ("plain",)))
+    for i, event in enumerate(log):
+        if event[0] == "measure":
+            started = {n for what, n in log[:i] if what == "build"}
+            up = {n for what, n in log[:i] if what == "up"}
+            assert started == up, f"{event} while {started - up} still starting"
 
 
 def test_one_engine_at_a_time_goes_arm_by_arm_in_group_order():
