@@ -85,6 +85,17 @@ class Run:
         return md
 
 
+def earlier_entries(previous: dict | None, key: str, names) -> dict:
+    """The entries of an earlier run in the same ``--out`` that this run does not measure again
+    (other arms or servers): kept in the result, so the report holds every arm measured there."""
+    out = {}
+    for name, entry in ((previous or {}).get(key) or {}).items():
+        if name not in names:
+            status = entry.get("status")
+            out[name] = dict(entry, status="kept" if status in ("ok", "kept") else status)
+    return out
+
+
 def kept_entry(previous: dict | None, key: str, name: str, fingerprint: dict, force: bool):
     """An entry of an earlier result with the same fingerprint that finished, to keep instead of
     measuring again (None when there is none, or ``--force``)."""

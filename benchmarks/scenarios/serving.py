@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 from benchmarks.harness import arms, environment, report, served
-from benchmarks.harness.common import Run, add_common_arguments, kept_entry
+from benchmarks.harness.common import Run, add_common_arguments, earlier_entries, kept_entry
 from benchmarks.harness.models import build_models
 
 NAME = "serving"
@@ -91,6 +91,10 @@ def run_served(name: str, title: str, args, work: served.Sessions, make_tables) 
     def record(s: served.Resident) -> None:
         result["servers"][s.name] = s.entry
         save()
+
+    this_run = {r if args.instances == 1 else f"{r}#{k + 1}" for g in groups for r in g
+                for k in range(args.instances)}  # fmt: skip
+    result["servers"].update(earlier_entries(run_.previous, "servers", this_run))
 
     def spec_for(row: str, server: str):
         _, k = arms.method_of(row)

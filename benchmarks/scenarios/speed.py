@@ -35,7 +35,7 @@ from pathlib import Path
 
 from benchmarks.harness import environment, floors, lanes, offline, report
 from benchmarks.harness.arms import method_of, parse_arms, speculative_config
-from benchmarks.harness.common import Run, add_common_arguments, kept_entry
+from benchmarks.harness.common import Run, add_common_arguments, earlier_entries, kept_entry
 from benchmarks.harness.instrument import TABLE_PARTS
 from benchmarks.harness.models import build_models
 
@@ -272,6 +272,7 @@ def run(args) -> int:
     def save():
         run_.save(TITLE, result, tables(result, target_cfg, drafts, models.quantized, args))
 
+    result["arms"].update(earlier_entries(run_.previous, "arms", {a for g in groups for a in g}))
     arm_groups = []
     for group in groups:
         arms = []

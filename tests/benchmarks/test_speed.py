@@ -138,3 +138,23 @@ def test_speed_smoke_runs_every_path_on_cpu(tmp_path):
     assert {"target", "draft", "sampling"} <= set(split["parts_ms_per_step"])
     assert any("propose_draft_token_ids -> draft" in r for r in split["ranges"])
     assert (out / "speed.md").read_text().count("| dspark3-plugin | 2 |") == 1
+
+
+def test_a_later_run_in_the_same_out_keeps_what_the_earlier_one_measured():
+    from benchmarks.harness.common import earlier_entries, kept_entry
+
+    fp = {"spec": {"num_spec": 3}, "params": {"repeats": 3}}
+    previous = {
+        "setup": {"date_utc": "then"},
+        "arms": {"dspark3-alone": {"status": "ok", "fingerprint": fp, "windows": [1]},
+                 "dspark3-plugin": {"status": "error: x", "fingerprint": fp},
+                 "plain": {"status": "ok", "fingerprint": fp}},
+    }  # fmt: skip
+    others = earlier_entries(previous, "arms", {"plain", "dspark7-alone"})
+    assert {k: v["status"] for k, v in others.items()} == {
+        "dspark3-alone": "kept", "dspark3-plugin": "error: x",
+    }  # fmt: skip
+    assert kept_entry(previous, "arms", "plain", fp, force=False)["kept_at"] == "then"
+    assert kept_entry(previous, "arms", "plain", fp, force=True) is None
+    assert kept_entry(previous, "arms", "plain", {**fp, "params": {"repeats": 5}}, False) is None
+    assert kept_entry(previous, "arms", "dspark3-plugin", fp, False) is None  # it failed
