@@ -9,8 +9,8 @@ scheduler preempt and resume requests while drafting, clients that disconnect mi
 requests, and seeded sampling. Servers started with invalid speculative configs must exit with a
 one-line error naming the field (they run in the background while the servers start).
 
-The workload and the checks live in ``benchmarks/serving_reliability.py`` (which also records the
-figures in benchmarks/RESULTS.md). CI size: 64 requests from 64 clients, outputs up to 64 tokens,
+The workload and the checks live in ``serving_reliability_workload.py`` beside this file (run
+as a script, it prints the figures). CI size: 64 requests from 64 clients, outputs up to 64 tokens,
 a burst of 12 x 256 tokens, about 3 minutes on 2 cores. The full size (256 requests, outputs up to
 256 tokens, a burst of 24 x 384, more aborts, one more start-up case) runs with
 VLLM_NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
@@ -37,11 +37,11 @@ pytestmark = pytest.mark.engine
 
 
 def _load_benchmark():
-    """benchmarks/serving_reliability.py (the workload and checks), imported by path."""
-    name = "vllm_nemotron_spec_benchmarks_serving_reliability"
+    """serving_reliability_workload.py (the workload and checks), imported by path."""
+    name = "vllm_nemotron_spec_serving_reliability_workload"
     if name in sys.modules:
         return sys.modules[name]
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "serving_reliability.py"
+    path = Path(__file__).resolve().parent / "serving_reliability_workload.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up there

@@ -33,10 +33,10 @@ eager, greedy unless stated:
   one-line error naming the field (:data:`STARTUP_CASES`).
 
 The test ``tests/e2e/test_serving_reliability.py`` runs the CI size of this through pytest;
-this script runs either size and records the figures::
+run as a script, it runs either size and prints the figures::
 
-    .venv/bin/python benchmarks/serving_reliability.py --size ci      # ~3 minutes on 2 cores
-    .venv/bin/python benchmarks/serving_reliability.py --size full --json /tmp/rel.json
+    .venv/bin/python tests/e2e/serving_reliability_workload.py --size ci      # ~3 min, 2 cores
+    .venv/bin/python tests/e2e/serving_reliability_workload.py --size full --json /tmp/rel.json
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

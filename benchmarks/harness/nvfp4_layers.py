@@ -1,63 +1,25 @@
-"""NVFP4 W4A16 linear layers at the real draft shapes: error against the reference dequantization,
-and time per call against the same layer unquantized in bf16. Self-checking: exits 1 on a failure.
+"""NVFP4 W4A16 linear layers at the real draft shapes, built the way vLLM builds them.
 
-GPU (the W4A16 kernel vLLM picks: Humming on Hopper when humming-kernels is installed, else FP4
-Marlin; CuTe-DSL on SM100; about 1-2 minutes on an H200; Marlin where Humming is installed:
-VLLM_DISABLED_KERNELS=HummingNvFp4LinearKernel):
-    python benchmarks/nvfp4_linear.py --out /tmp/nvfp4-linear-gpu
-CPU (this plugin's dequantize-at-load method, against dequantizing on the fly in every call):
-    python benchmarks/nvfp4_linear.py --device cpu --out /tmp/nvfp4-linear-cpu
-
-Cases, each a real vLLM layer built with the plugin's quantization config and loaded through its
-weight loaders from ModelOpt-style tensors (vllm_nemotron_spec.nvfp4.format.quantize of Gaussian
-weights with a few outliers):
-  fc          ReplicatedLinear 16128 -> 2688
-  gate_up     MergedColumnParallelLinear 2688 -> 2 x 6144, one weight_scale_2 for both (ModelOpt)
-  gate_up_4x  the same, up's weight_scale_2 = 4 x gate's (folded into gate's block scales: 1 GEMM)
-  gate_up_3x  the same, ratio 3 (not foldable exactly: one GEMM per shard)
-  down        RowParallelLinear 6144 -> 2688
-  markov_w2   ParallelLMHead (DSpark's Markov head) 512 -> 131072
-at M = 1, 4, 16, 64 tokens.
-
-Checks. GPU: max |y - y_ref| / max |y_ref| of the plugin's layer (bf16 in, bf16 out) where
-y_ref = x @ W_ref^T in float64 and W_ref the reference dequantization, must be at most
-2 x that of the bf16 baseline (x @ bf16(W_ref)^T with cuBLAS) + 2**-9 (and never above 2**-6; a
-mis-scaled shard or a wrong nibble order errs by ~1); 2**-6 for Humming, which adds its stream-K
-partial sums in bf16 (see gpu_tolerance); the fused cases must take the
-expected path. For gate_up_4x / gate_up_3x the script also reports vLLM's own modelopt_fp4 method
-(one max global scale) for comparison, without asserting on it. CPU: outputs must equal
-x @ W_ref^T bit for bit (fp32 and bf16), for both the layer and the on-the-fly variant.
-
-``--tp 2,4`` (either device) checks the tensor-parallel shards instead, one rank at a time in this
-one process (the rank and world size vLLM's layers read are faked; no process group, so no second
-GPU is needed): gate_up as MergedColumnParallelLinear (each shard's rows; ratio 3 splits into one
-GEMM per shard), down as RowParallelLinear (whole 16-column blocks of the input; the ranks' partial
-products summed as vLLM's all-reduce would) and markov_w2 as a vocab-parallel ParallelLMHead, each
-rank's output against x @ W_ref[its part]^T with the tolerance above (CPU: bit for bit), plus the
-column-parallel ranks' largest difference from the TP=1 layer's output slice (reported). fc is
-replicated under TP and not split.
-Writes result.json and result.md to --out.
+Each case is a real vLLM layer (``ReplicatedLinear``, ``MergedColumnParallelLinear``,
+``RowParallelLinear``, ``ParallelLMHead``) made with the plugin's quantization config and loaded
+through its weight loaders from ModelOpt-style tensors (``nvfp4.format.quantize`` of Gaussian
+weights with a few outliers). GPU: error against the reference dequantization in float64 and time
+per call (a CUDA graph of calls) beside the same layer unquantized in BF16; CPU: bit-exactness of
+the plugin's dequantize-at-load method against ``x @ W_ref^T``, and its time against dequantizing
+on the fly. Tensor parallelism: each rank's shard, one rank at a time with the rank faked (no
+process group), against its part of the reference. Used by the ``nvfp4-linear`` scenario.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from vllm_nemotron_spec.nvfp4 import format as nvfp4  # noqa: E402
+from vllm_nemotron_spec.nvfp4 import format as nvfp4
 
 CASES = {
     # name: (layer kind, input features, output features per shard, ratio of shard global scales)
@@ -241,26 +203,13 @@ def init_vllm(device: str) -> bool:
     return True
 
 
-def environment(device: str) -> dict:
-    import vllm
-
-    env = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": getattr(vllm, "__version__", "?"),
-        "device": device,
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-    }
+def device_facts(device: str) -> dict:
+    """The device the layers ran on (beside the run's setup facts)."""
     if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    else:
-        env["cpu"] = platform.processor() or platform.machine()
-        env["cpu_count"] = os.cpu_count()
-        env["torch_threads"] = torch.get_num_threads()
-        env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    return env
+        return {"gpu": torch.cuda.get_device_name(0),
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(0)))}  # fmt: skip
+    return {"torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
 
 
 # Kernels that add their split-K (stream-K) partial sums in the output dtype: each slice's partial
@@ -362,7 +311,6 @@ def run_case_cpu(case, shards, qc, ms, reps, record, failures):
                 f" | at load {row['us_at_load']:9.0f} us | on the fly {row['us_on_the_fly']:9.0f} us"
                 f" | vLLM dense {row['us_vllm_dense']:9.0f} us"
             )
-        del layer, fly, dense, reference_w
 
 
 TP_KINDS = {"merged": "column", "row": "row", "lm_head": "vocab"}  # how each kind splits under TP
@@ -503,124 +451,3 @@ def run_case_tp(case, shards, qc, ms, tp, device, record, failures):
             print(f"  {case:11s} tp={tp} all-reduced M={m:3d} err {err:.2e}")
             record.append({"case": case, "tp": tp, "rank": "sum", "split": "row", "m": m,
                            "rel_max_err": err, "ok": True})  # fmt: skip
-
-
-def markdown(env: dict, rows: list[dict], failures: list[str]) -> str:
-    lines = ["# NVFP4 W4A16 linear at the draft shapes", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items()]
-    lines += ["", f"**{'PASS' if not failures else 'FAIL'}**", ""]
-    lines += [f"- FAIL: {f}" for f in failures]
-    if rows and "tp" in rows[0]:
-        lines += [
-            "| case | TP | rank | split | M | rank's part | path | rel max err | bf16 baseline err"
-            " | tolerance | max abs diff vs TP=1 slice |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            fmt = lambda v: "" if v is None else f"{v:.2e}"  # noqa: E731
-            part = f"{r['rows']} x {r['cols']}" if "rows" in r else "sum of the ranks"
-            lines.append(
-                f"| {r['case']} | {r['tp']} | {r['rank']} | {r['split']} | {r['m']} | {part} | "
-                f"{r.get('path', '')} | {fmt(r['rel_max_err'])} | {fmt(r.get('rel_max_err_bf16'))} | "
-                f"{fmt(r.get('tolerance'))} | {fmt(r.get('max_abs_diff_vs_tp1_slice'))} |"
-            )
-    elif env["device"] == "cuda":
-        lines += [
-            "| case | M | kernel | path | rel max err | bf16 baseline err | vLLM modelopt_fp4 err"
-            " | us NVFP4 | us bf16 | speed-up |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            vllm_err = r.get(VLLM_ERR)
-            lines.append(
-                f"| {r['case']} | {r['m']} | {r['kernel']} | {r['path']} | {r['rel_max_err']:.2e} | "
-                f"{r['rel_max_err_bf16']:.2e} | {'' if vllm_err is None else f'{vllm_err:.2e}'} | "
-                f"{r['us_nvfp4']:.1f} | {r['us_bf16']:.1f} | {r['us_bf16'] / r['us_nvfp4']:.2f}x |"
-            )
-    else:
-        lines += [
-            "| case | dtype | M | exact | us dequantized at load | us on the fly"
-            " | us vLLM dense (oneDNN) | MB at load | MB on the fly |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in rows:
-            lines.append(
-                f"| {r['case']} | {r['dtype']} | {r['m']} | {r['exact']} | {r['us_at_load']:.0f} | "
-                f"{r['us_on_the_fly']:.0f} | {r['us_vllm_dense']:.0f} | {r['bytes_at_load'] / 2**20:.1f} | "
-                f"{r['bytes_on_the_fly'] / 2**20:.1f} |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", required=True, help="directory for result.json and result.md")
-    parser.add_argument(
-        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
-    )
-    parser.add_argument("--m", default="1,4,16,64", help="token counts (comma-separated)")
-    parser.add_argument("--cases", default=",".join(CASES), help="cases (comma-separated)")
-    parser.add_argument("--reps", type=int, default=5, help="CPU: timed calls per measurement")
-    parser.add_argument(
-        "--tp",
-        default=None,
-        help="check tensor-parallel shards at these sizes (comma-separated, e.g. 2,4), "
-        "one rank at a time, instead of timing",
-    )
-    args = parser.parse_args(argv)
-    ms = [int(v) for v in args.m.split(",")]
-    tps = [int(v) for v in args.tp.split(",")] if args.tp else []
-    cases = args.cases.split(",")
-    unknown = sorted(set(cases) - set(CASES))
-    if unknown:
-        parser.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
-
-    from vllm.config import VllmConfig, set_current_vllm_config
-
-    from vllm_nemotron_spec.nvfp4 import config as nvcfg
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.device == "cuda":
-        torch.cuda.set_device(0)
-        torch.backends.cuda.matmul.allow_tf32 = False  # a clean fp32/fp64 reference
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # and baseline
-    env = environment(args.device)
-    print(json.dumps(env, indent=1))
-    rows: list[dict] = []
-    failures: list[str] = []
-    with set_current_vllm_config(VllmConfig()):
-        init_vllm(args.device)
-        nvcfg.register()
-        qc = nvcfg.NemotronW4A16NvFp4Config.from_config(QUANT_CONFIG)
-        device = torch.device(args.device)
-        for case in cases:
-            if tps and CASES[case][0] not in TP_KINDS:
-                print(f"{case}: {CASES[case][0]} layer, not split under tensor parallelism")
-                continue
-            print(f"{case}: quantizing and loading")
-            shards = make_shards(case, device)
-            with torch.device(device):
-                if tps:
-                    for tp in tps:
-                        run_case_tp(case, shards, qc, ms, tp, device, rows, failures)
-                elif args.device == "cuda":
-                    run_case_gpu(case, shards, qc, ms, rows, failures)
-                else:
-                    run_case_cpu(case, shards, qc, ms, args.reps, rows, failures)
-            del shards
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-    result = {"environment": env, "ok": not failures, "failures": failures, "rows": rows}
-    (out / "result.json").write_text(json.dumps(result, indent=1))
-    (out / "result.md").write_text(markdown(env, rows, failures))
-    print(f"\n{'PASS' if not failures else 'FAIL'}: {len(rows)} measurements, results in {out}")
-    for failure in failures:
-        print("  FAIL:", failure)
-    return 0 if not failures else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

