@@ -320,7 +320,9 @@ def _serve(llm, requests: dict, add_late_after_steps: int | None):
     llm_engine = llm.llm_engine
     scheduler = llm_engine.engine_core.engine_core.scheduler
     first_late: list = []
-    original = type(scheduler).schedule
+    cls = type(scheduler)  # AsyncScheduler inherits Scheduler.schedule (the patched one)
+    own = vars(cls).get("schedule")
+    original = cls.schedule
 
     def schedule(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
@@ -335,7 +337,7 @@ def _serve(llm, requests: dict, add_late_after_steps: int | None):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         llm_engine.add_request(name, {"prompt_token_ids": prompt}, params)
 
-    type(scheduler).schedule = schedule
+    cls.schedule = schedule
     try:
         for name in requests:
             if name != "late" or add_late_after_steps is None:
@@ -352,7 +354,10 @@ def _serve(llm, requests: dict, add_late_after_steps: int | None):
             if steps > 10_000:
                 raise RuntimeError(f"requests {sorted(requests)} unfinished after 10000 steps")
     finally:
-        type(scheduler).schedule = original
+        if own is None:
+            del cls.schedule
+        else:
+            cls.schedule = own
     return outputs, (first_late[0] if first_late else None)
 
 
