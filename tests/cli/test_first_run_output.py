@@ -41,7 +41,15 @@ def test_demo_report_names_the_trained_drafts_and_a_serve_line(tmp_path):
     assert argv[:4] == ["vllm-nemotron-spec", "vllm", "serve", report["target"]]
     assert argv[argv.index("--dtype") + 1] == "float32"
     config = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert config == {"method": "dflash", "model": report["drafts"]["dflash"]}
+    # vLLM refuses a DFlash draft without block_size unless num_speculative_tokens is given
+    assert config == {
+        "method": "dflash",
+        "model": report["drafts"]["dflash"],
+        "num_speculative_tokens": 5,
+    }
+    report["runs"].append(dict(report["runs"][0], method="dflash", num_speculative_tokens=3))
+    serve = next(line for line in demo.format_report(report).splitlines() if "serve: " in line)
+    assert '"num_speculative_tokens": 3' in serve
 
 
 def test_make_tiny_prints_absolute_paths_and_trained_drafts(monkeypatch, tmp_path, capsys):
@@ -68,9 +76,9 @@ def test_make_tiny_prints_absolute_paths_and_trained_drafts(monkeypatch, tmp_pat
     assert fields["trained dspark"] == str(trained_root / "dspark")
     argv = shlex.split(fields["serve"])
     assert argv[3] == str(tmp_path / "rel" / "target")
-    assert json.loads(argv[argv.index("--speculative-config") + 1])["model"] == str(
-        trained_root / "dflash"
-    )
+    config = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert config["model"] == str(trained_root / "dflash")
+    assert config["num_speculative_tokens"] == 5  # vLLM requires it for this DFlash draft
 
 
 def test_vllm_passthrough_hands_help_to_vllm():

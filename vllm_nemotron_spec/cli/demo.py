@@ -180,12 +180,27 @@ def format_report(report: dict) -> str:
         for method, draft in report["drafts"].items():
             lines.append(f"{method} draft (trained against the target): {draft}")
         method, draft = next(iter(report["drafts"].items()))
-        config = json.dumps({"method": METHODS[method], "model": draft})
+        config = json.dumps(
+            {
+                "method": METHODS[method],
+                "model": draft,
+                "num_speculative_tokens": k_of(report, method),
+            }
+        )
         lines.append(
             f"serve: vllm-nemotron-spec vllm serve {shlex.quote(report['target'])} "
             f"--dtype float32 --no-enable-prefix-caching --speculative-config {shlex.quote(config)}"
         )
     return "\n".join(lines)
+
+
+def k_of(report: dict, method: str) -> int:
+    """The drafted tokens per step of ``method``'s run (vLLM requires the number for a DFlash draft
+    without ``block_size``, as the tiny one); the Nemotron 3.5 DFlash default when it did not run."""
+    from vllm_nemotron_spec.checkpoint.spec import NEMOTRON35_DFLASH_NUM_SPECULATIVE_TOKENS
+
+    ks = [r.get("num_speculative_tokens") for r in report["runs"] if r["method"] == method]
+    return next((k for k in ks if k), NEMOTRON35_DFLASH_NUM_SPECULATIVE_TOKENS)
 
 
 def run(args) -> int:

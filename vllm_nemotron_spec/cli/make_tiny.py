@@ -32,7 +32,7 @@ example:
   vllm-nemotron-spec make-tiny /tmp/tiny
   vllm-nemotron-spec make-tiny /tmp/tiny --trained    # + trained drafts in /tmp/tiny-drafts-trained-seed0
   vllm-nemotron-spec vllm serve /tmp/tiny/target --dtype float32 --no-enable-prefix-caching \
-    --speculative-config '{"method": "dflash", "model": "/tmp/tiny-drafts-trained-seed0/dflash"}'
+    --speculative-config '{"method": "dflash", "model": "/tmp/tiny-drafts-trained-seed0/dflash", "num_speculative_tokens": 5}'
 (the family is stored in float32: serve it so; vLLM's default would cast it to bfloat16)
 
 tests build (and reuse) the family of seed 0 in $VLLM_NEMOTRON_SPEC_CACHE
@@ -95,11 +95,20 @@ def run(args) -> int:
 
 
 def serve_line(target, draft) -> str:
-    """The ``vllm serve`` command for the tiny family (float32, as it is stored)."""
+    """The ``vllm serve`` command for the tiny family (float32, as it is stored). vLLM needs
+    ``num_speculative_tokens`` for a DFlash draft without ``block_size``: the plugin's default."""
     import json
     import shlex
 
-    config = json.dumps({"method": "dflash", "model": str(Path(draft).resolve())})
+    from vllm_nemotron_spec.checkpoint.spec import NEMOTRON35_DFLASH_NUM_SPECULATIVE_TOKENS
+
+    config = json.dumps(
+        {
+            "method": "dflash",
+            "model": str(Path(draft).resolve()),
+            "num_speculative_tokens": NEMOTRON35_DFLASH_NUM_SPECULATIVE_TOKENS,
+        }
+    )
     return (
         f"vllm-nemotron-spec vllm serve {shlex.quote(str(Path(target).resolve()))} "
         "--dtype float32 "
