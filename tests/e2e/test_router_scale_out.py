@@ -7,14 +7,17 @@ and a plain one, the reference (plain decoding, each request alone). Routers are
 second to start): each policy gets its own ``vllm-router`` process in front of the same two
 replicas. Checked through the router:
 
+- every replica logged the plugin's routing line (the draft has the Nemotron 3.5 layout);
 - round_robin: every greedy answer (streaming or not, prompts within and beyond a cache block)
   equals plain decoding's; the requests alternate between the replicas and EVERY replica drafts
-  (its spec-decode counters rise, drafts accepted) and logged the plugin's routing line;
+  (its spec-decode counters rise, drafts accepted);
 - cache_aware: a multi-turn conversation stays on one replica, every turn equals plain
   decoding's and its prefix-cache hits equal plain decoding's turn for turn;
-- kv_aware fed by the replicas' KV events: see :func:`test_kv_aware_cannot_place_by_the_hybrid_cache`;
+- kv_aware fed by the replicas' KV events: the same, but the router credits one cache block
+  whatever the replica holds (:func:`test_kv_aware_credits_one_block_of_the_hybrid_cache`);
 - a replica killed (SIGKILL of its process group) while it decodes: the router retries every
-  non-streaming request it had in flight on the survivor; none is lost, all stay exact.
+  non-streaming request it had in flight on the survivor, none is lost, all stay exact; a
+  stream it had started ends early (a prefix of plain decoding's tokens, no finish reason).
 
 Bounded: every server and router start has a deadline, every request a timeout, every wait a
 count; every process is stopped when the module ends (also on failure).
@@ -388,9 +391,21 @@ def test_cache_aware_conversation_stays_on_one_replica_with_plain_hits(
 KV_DECISION = re.compile(r"KV prefix decision .*?credited_prefix_tokens=(\d+)")
 
 
-def test_kv_aware_credits_one_block_of_the_hybrid_cache(
-    servers, tiny_family, plain_conversation, router_factory
-):
+def other_conversation_tokens(tokenizer_dir) -> list[int]:
+    """Like :func:`conversation.conversation_tokens`, from other documents: a conversation that
+    no earlier test left in a replica's prefix cache."""
+    from vllm_nemotron_spec.tiny.corpus import generate_documents
+    from vllm_nemotron_spec.tiny.tokenizer import EOS_ID, load_tokenizer
+
+    stream: list[int] = []
+    for enc in load_tokenizer(tokenizer_dir).encode_batch(generate_documents(8642, 200)):
+        stream += enc.ids + [EOS_ID]
+    need = conv.FIRST_PROMPT_TOKENS + (conv.TURNS - 1) * conv.USER_TOKENS
+    assert len(stream) >= need
+    return stream[:need]
+
+
+def test_kv_aware_credits_one_block_of_the_hybrid_cache(servers, tiny_family, router_factory):
     """kv_aware fed by the replicas' KV events (static sources: vLLM has no ``/get_server_info``
     for the router's discovery). The conversation stays on one replica, every turn equals plain
     decoding's and keeps plain decoding's prefix-cache hits, but the router credits ONE cache
@@ -404,7 +419,8 @@ def test_kv_aware_credits_one_block_of_the_hybrid_cache(
     for name in REPLICAS:
         extra += ["--kv-event-source", f"{servers[name].url}={servers[name].extra['kv_events']}"]
     router = router_factory("kv_aware", tuple(extra))
-    stream = conv.conversation_tokens(tiny_family.tokenizer)
+    stream = other_conversation_tokens(tiny_family.tokenizer)
+    plain_conversation = conv.run_conversation(servers["plain"], stream)["turns"]
     prompt = list(stream[: conv.FIRST_PROMPT_TOKENS])
     user = stream[conv.FIRST_PROMPT_TOKENS :]
     turns = []
