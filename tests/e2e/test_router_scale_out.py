@@ -269,14 +269,16 @@ def mismatches(requests: list[Request], got: list, reference: dict) -> list[str]
 
 
 def replica_counters(servers) -> dict:
-    """Per replica: finished requests, spec-decode counters, prefix-cache hits and queries."""
+    """Per replica: finished requests, spec-decode counters (drafts, drafted tokens, accepted
+    tokens), prefix-cache hits and queries."""
     out = {}
     for name in REPLICAS:
         text = http.get_text(f"{servers[name].url}/metrics")
         values = http.sum_samples(http.parse_prometheus_text(text))
+        spec = http.spec_counters_from_metrics(text)
         out[name] = {
             "requests": http.metric(values, "vllm:request_success"),
-            "spec": http.spec_counters_from_metrics(text),
+            "spec": (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens),
             "hits": http.metric(values, "vllm:prefix_cache_hits"),
             "queries": http.metric(values, "vllm:prefix_cache_queries"),
         }
@@ -286,14 +288,7 @@ def replica_counters(servers) -> dict:
 def settled_counters(servers) -> dict:
     """:func:`replica_counters` once two reads agree (a server records its stats right after it
     sent the last tokens)."""
-    return http.read_until_settled(lambda: _comparable(replica_counters(servers)), 10.0, 0.3)
-
-
-def _comparable(counters: dict) -> dict:
-    for c in counters.values():
-        s = c["spec"]
-        c["spec"] = (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
-    return counters
+    return http.read_until_settled(lambda: replica_counters(servers), 10.0, 0.3)
 
 
 def deltas(before: dict, after: dict) -> dict:
