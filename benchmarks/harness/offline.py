@@ -57,7 +57,7 @@ def max_tokens_for(num_spec: int, warmup_steps: int, steps: int) -> int:
 
 class OfflineEngine:
     """One ``vllm.LLM`` for one arm (``arm``: ``engine`` kwargs, ``speculative`` config or None,
-    ``num_spec``, ``fix_routing``), with the profiler configured and the step counter on."""
+    ``num_spec``), with the profiler configured and the step counter on."""
 
     def __init__(self, arm: dict, trace_dir: Path, device: str):
         from vllm import LLM
@@ -88,10 +88,6 @@ class OfflineEngine:
         self.counter = instrument.StepCounter(self.runner)
         self.info = {"startup_s": round(self.startup_s, 1), "runner": type(self.runner).__module__}
         model = getattr(self.runner, "model", None)
-        if arm.get("fix_routing") and model is not None:
-            from benchmarks.harness.models import fix_dummy_routing
-
-            self.info["routers_redrawn"] = fix_dummy_routing(model)
         if model is not None and device == "cuda":
             from benchmarks.harness.models import routing_spread
 

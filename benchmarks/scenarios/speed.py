@@ -140,7 +140,6 @@ def arm_spec(name: str, args, models, side_by_side: bool) -> dict:
     return {
         "name": name, "engine": engine, "num_spec": k,
         "speculative": speculative_config(name, models.drafts, synthetic=not args.smoke),
-        "fix_routing": models.load_format == "dummy" and not args.smoke,
     }  # fmt: skip
 
 
