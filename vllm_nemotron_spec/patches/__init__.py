@@ -145,6 +145,16 @@ PATCHES: tuple[Patch, ...] = (
         "when V1 accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU",
     ),
     Patch(
+        "v1_dspark_dynamic_sd",
+        "VllmConfig._maybe_disable_dynamic_sd_for_v1",
+        ("0.33.0",),
+        False,
+        "V1 drops num_speculative_tokens_per_batch_size for method dspark, whose V1 proposer is "
+        "the plugin's and honours it",
+        "V1 has no DSpark proposer upstream; the V2 runner honours the schedule",
+        "with v1_nemotron35_proposers (V1 accepts DSpark, or V1 is retired)",
+    ),
+    Patch(
         "draft_group_warning",
         "kv_cache_utils._warn_if_unannotated_eagle_mamba",
         VLLM_0_32,
