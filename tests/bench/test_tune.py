@@ -252,6 +252,19 @@ def test_step_timing_json():
     q1, q3 = out["step_ms_quartiles"]
     assert q1 <= 11.5 <= q3
     assert out["measured_tokens_per_step"] == pytest.approx(14 / 8)
+    assert t.scattered  # one slow step in four: quartiles far apart
+    assert not tune.StepTiming(2, 1, [0.010, 0.011, 0.0105, 0.0102], [4] * 4).scattered
+
+
+def test_scattered_points_are_reported():
+    m = _measurements()
+    m.timings[0].seconds = [0.010, 0.030, 0.010, 0.030]  # batch 1, k 0
+    report = _report(measurements=m)
+    assert report["scattered"] == [[1, 0]]
+    from vllm_nemotron_spec.bench.tune_report import format_tune_report
+
+    assert "warning: step times scattered at 1 of 12 points" in format_tune_report(report)
+    assert _report()["scattered"] == []
 
 
 def test_progress_eta(capsys):

@@ -35,6 +35,10 @@ from vllm_nemotron_spec.runs import SpecCounters
 
 SCHEMA = "vllm-nemotron-spec.tune/1"
 
+SCATTER_LIMIT = 0.25
+"""A (batch, k) point whose step-time quartiles lie further apart than this share of the median
+is reported as scattered: other work on the machine, or too few ``--steps``."""
+
 
 class TuneError(ScheduleError):
     """A tune run that cannot start or finish; the message says what was expected."""
@@ -202,13 +206,25 @@ class StepTiming:
         """Mean tokens per request per measured step (1 + accepted drafts)."""
         return sum(self.tokens) / (len(self.tokens) * self.batch)
 
+    @property
+    def quartiles_s(self) -> tuple[float, float]:
+        if len(self.seconds) < 2:
+            return self.seconds[0], self.seconds[0]
+        q = statistics.quantiles(self.seconds, n=4)
+        return q[0], q[2]
+
+    @property
+    def scattered(self) -> bool:
+        q1, q3 = self.quartiles_s
+        return q3 - q1 > SCATTER_LIMIT * self.median_s
+
     def to_json(self) -> dict:
-        q = statistics.quantiles(self.seconds, n=4) if len(self.seconds) > 1 else self.seconds * 3
+        q1, q3 = self.quartiles_s
         return {
             "batch": self.batch,
             "k": self.k,
             "step_ms": round(1000 * self.median_s, 4),
-            "step_ms_quartiles": [round(1000 * q[0], 4), round(1000 * q[2], 4)],
+            "step_ms_quartiles": [round(1000 * q1, 4), round(1000 * q3, 4)],
             "steps": len(self.seconds),
             "measured_tokens_per_step": round(self.tokens_per_step, 4),
         }
@@ -477,6 +493,9 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
         ],
         "schedule": ranges,
         "speculative_config": config,
+        "scattered": [
+            [t.batch, t.k] for t in sorted(m.timings, key=lambda t: (t.batch, t.k)) if t.scattered
+        ],
         "seconds": round(m.seconds, 2),
         "engine_start_s": {str(k): round(s, 2) for k, s in sorted(m.engine_start_s.items())},
     }

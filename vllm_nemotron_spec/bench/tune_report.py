@@ -63,6 +63,15 @@ def format_tune_report(report: dict, schedule_file: str | None = None) -> str:
             cells.append(f"{m['step_ms']:>7.2f} /{m['expected_tokens_per_s']:>8.1f}{mark}")
         lines.append(f"{b:>5}  " + "  ".join(cells))
     lines += ["", "chosen: " + ", ".join(_chosen(c) for c in report["chosen"])]
+    scattered = report["scattered"]
+    if scattered:
+        lines.append(
+            f"warning: step times scattered at {len(scattered)} of {len(rows)} points (quartiles "
+            "more than 25% of the median apart: "
+            + ", ".join(f"batch {b} k={k}" for b, k in scattered[:6])
+            + (", ..." if len(scattered) > 6 else "")
+            + "); was the machine busy? rerun on an idle machine or with more --steps"
+        )
     lines.append(f"schedule (inclusive batch-size ranges [start, end, k]): {report['schedule']}")
     command = serve_command(report)
     if command is None:
