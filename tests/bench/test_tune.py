@@ -200,7 +200,8 @@ def test_report_on_the_worked_example():
     assert report["acceptance_used"] == "greedy"
     assert report["expected_accepted"] == {"0": 0.0, "1": 0.9, "2": 1.5}
     assert [(c["batch"], c["k"]) for c in report["chosen"]] == sorted(CHOICE.items())
-    assert report["chosen"][1]["speedup_vs_plain"] == pytest.approx(253.333 / 181.818, abs=1e-3)
+    assert report["chosen"][1]["speedup_vs_k0"] == pytest.approx(253.333 / 181.818, abs=1e-3)
+    assert report["block"] == 2
     assert report["schedule"] == RANGES
     assert report["speculative_config"]["num_speculative_tokens_per_batch_size"] == RANGES
     cell = next(m for m in report["measurements"] if (m["batch"], m["k"]) == (4, 1))
@@ -211,7 +212,7 @@ def test_report_on_the_worked_example():
 
 def test_report_uses_sampled_acceptance_when_sampling():
     """At a temperature, the schedule follows the sampled acceptance: here drafts are rarely
-    accepted, so plain decoding wins everywhere and no config is offered."""
+    accepted, so k = 0 wins everywhere and no config is offered (serve plain decoding)."""
     sampled = SpecCounters(num_drafts=100, num_draft_tokens=200, num_accepted_tokens=10,
                            accepted_per_position=[10, 0])  # fmt: skip
     report = _report(_plan(temperature=0.8), _measurements(sampled))
@@ -234,7 +235,7 @@ def test_text_report_and_serving_commands(monkeypatch):
     assert row.count("*") == 1 and "345.5*" in row
     plain = tr.format_tune_report(_report(_plan(temperature=0.8), _measurements(
         SpecCounters(100, 200, 10, [10, 0]))))  # fmt: skip
-    assert "plain decoding is fastest at every measured batch size" in plain
+    assert "no k above 0 pays at any measured batch size: serve plain decoding" in plain
 
 
 def test_plot(tmp_path):
@@ -280,6 +281,30 @@ def test_progress_eta(capsys):
 
 def test_engine_order_measures_acceptance_first():
     assert _plan(ks=(0, 1, 2, 3)).engine_order == [3, 0, 1, 2]
+
+
+def test_each_k_is_measured_as_a_schedule_serves_it():
+    """The whole block (the largest k) drafted, k verified at every measured batch size."""
+    plan = _plan(ks=(0, 2, 5), speculative_extra={"attention_backend": "FLASH_ATTN"})
+    for k in plan.ks:
+        assert plan.speculative_config(k) == {
+            "method": "dspark",
+            "model": "/d",
+            "attention_backend": "FLASH_ATTN",
+            "num_speculative_tokens": 5,
+            "num_speculative_tokens_per_batch_size": [[1, 8, k]],
+        }
+
+
+def test_a_smaller_served_block_is_said():
+    """A schedule whose largest k is below the measured block is served with the smaller block."""
+    from vllm_nemotron_spec.bench.tune_report import format_tune_report
+
+    report = _report()
+    assert report["speculative_config"]["num_speculative_tokens"] == report["block"] == 2
+    assert "served with a block" not in format_tune_report(report)
+    report["block"] = 4  # as if k = 4 had been measured and never chosen
+    assert "(served with a block of 2, the schedule's largest k" in format_tune_report(report)
 
 
 # --------------------------------------------------------------------------------------------

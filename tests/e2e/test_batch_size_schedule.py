@@ -294,6 +294,7 @@ def test_tune_derives_rates_and_schedule_from_its_measurements(tuned):
     assert {c["batch"]: c["k"] for c in report["chosen"]} == choice
     assert report["schedule"] == merge_ranges(choice)
     config = report["speculative_config"]
+    assert report["block"] == max(TUNE_KS)
     assert config["method"] == "dspark" and config["model"] == report["draft"]
     assert config["num_speculative_tokens"] == max(choice.values())
     assert config["num_speculative_tokens_per_batch_size"] == report["schedule"]

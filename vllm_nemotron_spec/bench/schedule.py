@@ -143,7 +143,7 @@ def speculative_config(
 ) -> dict | None:
     """The ``--speculative-config`` that serves ``ranges``: ``num_speculative_tokens`` = the
     largest k (the block drafted every step) and ``num_speculative_tokens_per_batch_size`` =
-    ``ranges``. None when every k is 0 (plain decoding is fastest at every batch size).
+    ``ranges``. None when every k is 0 (no drafts pay at any batch size: serve plain decoding).
     ``extra`` (e.g. an attention backend) is merged in."""
     ks = [int(r[2]) for r in ranges]
     if not ks:

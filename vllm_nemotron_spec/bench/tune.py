@@ -1,11 +1,14 @@
 """``tune``: measure a draft's acceptance and the engine's decode step time per (batch size, k) on
 this machine, and choose the per-batch-size speculation schedule that maximises output tokens/s.
 
-One engine per k (k = 0 is plain decoding, no speculative config), one after another in this
-process; every batch size is measured in that engine. Acceptance (vLLM's per-position accepted
-counters) is measured once, in the engine with the largest k, on the user's prompts: the plugin's
-proposers draft the whole block and keep the first k, so the first k drafts of a step do not
-depend on k and one measurement gives ``E[accepted | k]`` for every k (``bench.schedule``).
+Every engine is configured as a schedule serves it: vLLM (V2) and the plugin's V1 proposers draft
+the whole block of ``num_speculative_tokens`` every step and verify the first k (k = 0: no query
+pass, the draft only stores the new tokens' context). So each k is measured in an engine with
+``num_speculative_tokens`` = the largest k measured (the block) and a one-range schedule
+``[[1, max_batch, k]]``: one engine per k, one after another in this process, every batch size
+measured in it. Acceptance (vLLM's per-position accepted counters) is measured once, in the
+engine with the largest k, on the user's prompts: the first k drafts of a step do not depend on
+k, so one measurement gives ``E[accepted | k]`` for every k (``bench.schedule``).
 
 A step time is the median of the gaps between vLLM's engine-core timestamps of consecutive
 decode steps in which exactly B requests were in flight: B requests with equal, long
@@ -62,15 +65,20 @@ class TunePlan:
     speculative_extra: dict = field(default_factory=dict)
     engine_kwargs: dict = field(default_factory=dict)
 
-    def speculative_config(self, k: int) -> dict | None:
-        """The engine's speculative config for k drafted tokens (None: plain decoding)."""
-        if k == 0:
-            return None
+    @property
+    def block(self) -> int:
+        """The drafted block of every measuring engine: the largest k measured."""
+        return max(self.ks)
+
+    def speculative_config(self, k: int) -> dict:
+        """The engine that measures k: the whole block drafted, k verified at every batch size
+        (k = 0: nothing drafted, the context stored), as a schedule serves k."""
         return {
             "method": self.method,
             "model": self.draft,
             **self.speculative_extra,
-            "num_speculative_tokens": k,
+            "num_speculative_tokens": self.block,
+            "num_speculative_tokens_per_batch_size": [[1, max(self.batch_sizes), k]],
         }
 
     @property
@@ -161,7 +169,7 @@ def checked_ks(spec, ks: list[int] | None) -> list[int]:
             except DraftSpecError as exc:
                 raise TuneError(f"--k {k}: {'; '.join(exc.problems)}") from None
     if not any(ks):
-        raise TuneError("--k: nothing to tune; give at least one k >= 1 (and 0 for plain)")
+        raise TuneError("--k: nothing to tune; give at least one k >= 1 (and 0 for no drafts)")
     return sorted(set(ks))
 
 
@@ -394,7 +402,7 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
     out = Measurements({}, [], 0.0, {})
     prompt_ids: list[list[int]] | None = None
     for k in plan.engine_order:
-        label = "plain decoding (k=0)" if k == 0 else f"{plan.method} k={k}"
+        label = f"{plan.method} block {plan.block}, k={k}" + (" (no drafts)" if k == 0 else "")
         meter.say(f"tune: starting the engine for {label}")
         t0 = time.perf_counter()
         llm = make_llm(plan.target, plan.speculative_config(k), **plan.engine_kwargs)
@@ -462,7 +470,7 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
     choice = choose_schedule(rates)
     ranges = merge_ranges(choice)
     config = speculative_config(plan.method, plan.draft, ranges, plan.speculative_extra)
-    plain = {b: r for (b, k), r in rates.items() if k == 0}
+    no_drafts = {b: r for (b, k), r in rates.items() if k == 0}
     return {
         "schema": SCHEMA,
         "vllm_version": vllm_version,
@@ -473,6 +481,7 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
         "prompts": {"source": prompts.source, "num_prompts": len(prompts.prompts)},
         "temperature": plan.temperature,
         "ks": list(plan.ks),
+        "block": plan.block,
         "batch_sizes": list(plan.batch_sizes),
         "block_limit": plan.block_limit,
         "acceptance": {name: _acceptance_json(c) for name, c in m.acceptance.items()},
@@ -487,7 +496,9 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
                 "batch": b,
                 "k": k,
                 "expected_tokens_per_s": round(rates[(b, k)], 3),
-                "speedup_vs_plain": round(rates[(b, k)] / plain[b], 4) if b in plain else None,
+                "speedup_vs_k0": (
+                    round(rates[(b, k)] / no_drafts[b], 4) if b in no_drafts else None
+                ),
             }
             for b, k in sorted(choice.items())
         ],

@@ -8,8 +8,8 @@ from pathlib import Path
 
 
 def serve_command(report: dict) -> str | None:
-    """``vllm serve TARGET --speculative-config '...'`` for the chosen schedule (None: plain
-    decoding was fastest at every batch size)."""
+    """``vllm serve TARGET --speculative-config '...'`` for the chosen schedule (None: no k above
+    0 paid at any batch size)."""
     from vllm_nemotron_spec.checkpoint.inspect import serve_program
 
     config = report["speculative_config"]
@@ -51,7 +51,8 @@ def format_tune_report(report: dict, schedule_file: str | None = None) -> str:
         "expected accepted drafts per step: "
         + ", ".join(f"k={k} {report['expected_accepted'][str(k)]:.2f}" for k in ks),
         "",
-        "decode step time, ms (median) / expected output tokens/s; * = chosen",
+        f"decode step time, ms (median) / expected output tokens/s; * = chosen. Each k ran as a "
+        f"schedule serves it: a block of {report['block']} drafted, k verified (k=0: no drafts)",
     ]
     head = f"{'batch':>5}  " + "  ".join(f"{f'k={k}':>17}" for k in ks)
     lines += [head, "-" * len(head)]
@@ -73,14 +74,33 @@ def format_tune_report(report: dict, schedule_file: str | None = None) -> str:
             + "); was the machine busy? rerun on an idle machine or with more --steps"
         )
     lines.append(f"schedule (inclusive batch-size ranges [start, end, k]): {report['schedule']}")
+    lines += serving_lines(report, schedule_file)
+    return "\n".join(lines)
+
+
+def serving_lines(report: dict, schedule_file: str | None = None) -> list[str]:
+    """How to serve the schedule (or why not to speculate), for the text report."""
+    lines: list[str] = []
     command = serve_command(report)
     if command is None:
         lines.append(
-            "plain decoding is fastest at every measured batch size: serve without "
-            "--speculative-config"
+            "no k above 0 pays at any measured batch size: serve plain decoding, without "
+            "--speculative-config (it costs at most what k=0 measured)"
         )
     else:
         last = report["schedule"][-1]
+        top = report["speculative_config"]["num_speculative_tokens"]
+        if top < report["block"]:
+            dflash = (
+                f"; DFlash attends across its block: rerun with --k 0..{top} for its exact "
+                "acceptance"
+                if report["method"] == "dflash"
+                else ""
+            )
+            lines.append(
+                f"(served with a block of {top}, the schedule's largest k: drafting costs less "
+                f"than the block of {report['block']} measured{dflash})"
+            )
         lines += [
             f"(batch sizes above {last[1]} keep k={last[2]}: vLLM carries the last range on)",
             "",
@@ -89,11 +109,11 @@ def format_tune_report(report: dict, schedule_file: str | None = None) -> str:
             "or offline:",
             *("  " + line for line in llm_example(report, schedule_file).splitlines()),
         ]
-    return "\n".join(lines)
+    return lines
 
 
 def _chosen(c: dict) -> str:
-    speedup = f" ({c['speedup_vs_plain']:.2f}x plain)" if c["speedup_vs_plain"] else ""
+    speedup = f" ({c['speedup_vs_k0']:.2f}x k=0)" if c["speedup_vs_k0"] else ""
     return f"batch {c['batch']}: k={c['k']}{speedup}"
 
 
@@ -109,7 +129,7 @@ def plot_tune_report(report: dict, path: str | Path) -> Path:
     batches, ks = report["batch_sizes"], report["ks"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.4), constrained_layout=True)
     for i, k in enumerate(ks):
-        label = "plain (k=0)" if k == 0 else f"k={k}"
+        label = "k=0 (no drafts)" if k == 0 else f"k={k}"
         left.plot(
             batches,
             [rows[(b, k)]["expected_tokens_per_s"] for b in batches],
@@ -149,7 +169,8 @@ def plot_tune_report(report: dict, path: str | Path) -> Path:
     left.legend(fontsize=8)
     fig.suptitle(
         f"{report['method']} on {report['platform']}: {Path(report['target']).name}, "
-        f"acceptance {report['acceptance_used']}, schedule {report['schedule']}",
+        f"block {report['block']}, acceptance {report['acceptance_used']}, "
+        f"schedule {report['schedule']}",
         fontsize=10,
     )
     from vllm_nemotron_spec.outputs import atomic_output_file

@@ -2,8 +2,8 @@
 
 Measures, with your prompts, (a) how often the draft's tokens are accepted at each position
 (vLLM's per-position counters; greedy, and at --temperature when given) and (b) the engine's decode
-step time for every batch size of the grid 1, 2, 4, ... --max-batch and every k from 0 (plain
-decoding) to the draft's trained block. It then computes the expected output tokens/s
+step time for every batch size of the grid 1, 2, 4, ... --max-batch and every k from 0 (no drafts)
+to the draft's trained block. It then computes the expected output tokens/s
 
     batch x (1 + E[accepted drafts | k]) / step_time(batch, k)
 
@@ -15,10 +15,11 @@ inclusive ranges, and prints the --speculative-config that serves the schedule
       --max-batch 64 --out schedule.json --plot tune.png
   vllm serve TARGET --speculative-config "$(cat schedule.json)"
 
-One engine per k (at most block size + 1 engine starts); every batch size is measured in it.
+One engine per k (at most block size + 1 engine starts), each run as a schedule serves that k:
+the whole block drafted every step, k tokens verified; every batch size is measured in it.
 Prompt files: JSONL with "prompt" / "text" / "question" (GSM8K) / "turns" (MT-Bench, first turn).
 Exit status 0 on success, 1 when an engine or a measurement failed, 2 for a bad option, prompt
-file or target/draft pair (before any engine starts).
+file or target/draft pair (before any engine starts). More: docs/tune.md.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def run(args) -> int:
     print(json.dumps(report) if args.json else format_tune_report(report, written))
     sys.stdout.flush()
     if dest is not None and written is None and not args.no_progress:
-        print(f"tune: plain decoding won everywhere; {dest} not written", file=sys.stderr)
+        print(f"tune: no k above 0 paid; {dest} not written", file=sys.stderr)
     if args.plot:
         try:
             path = plot_tune_report(report, args.plot)
