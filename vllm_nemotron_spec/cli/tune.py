@@ -42,7 +42,9 @@ def add_parser(sub) -> None:
     )
     parser.add_argument("target", metavar="TARGET", help="the NemotronH target (directory or id)")
     what = parser.add_argument_group("what to tune")
-    what.add_argument("--method", required=True, choices=("dflash", "dspark"))
+    what.add_argument(
+        "--method", required=True, choices=("dflash", "dspark"), help="the draft's method"
+    )
     what.add_argument(
         "--draft", required=True, help="the Nemotron 3.5 DFlash / DSpark draft (directory or id)"
     )
