@@ -218,6 +218,10 @@ def require_patches(vllm_config: Any, routed: bool) -> None:
         return
     if cpu or not vllm_config.use_v2_model_runner:
         needed.append("v1_nemotron35_proposers")
+        if spec_config.method == "dspark" and getattr(
+            spec_config, "num_speculative_tokens_per_batch_size", None
+        ):
+            needed.append("v1_dspark_dynamic_sd")  # vLLM 0.33 drops the schedule there
     if cpu and getattr(vllm_config.cache_config, "use_replayssm", False):
         raise patches.PatchUnavailable(
             f"the Nemotron 3.5 {spec_config.method} draft on CPU: the plugin's CPU Mamba fixes "

@@ -359,6 +359,15 @@ ERROR_CASES = {
     "bench-method": (["bench", "--model", "m", "--method", "nosuch"], "nosuch"),
     "bench-family-dir": (["bench", "--family-dir", "{foreign}"], "was not written by this command"),
     "bench-plot": (["bench", "--plot", "{foreign}"], "is a directory"),
+    "tune-max-batch": (
+        ["tune", "t", "--method", "dspark", "--draft", "d", "--max-batch", "0"],
+        "--max-batch must be an integer >= 1, found 0",
+    ),
+    "tune-method": (["tune", "t", "--method", "eagle", "--draft", "d"], "invalid choice"),
+    "tune-out": (
+        ["tune", "t", "--method", "dspark", "--draft", "d", "--out", "{foreign}"],
+        "is a directory",
+    ),
     "make-tiny-missing-outdir": (["make-tiny"], "required: OUTDIR"),
     "make-tiny-seed": (["make-tiny", "{tmp}/t", "--seed", "x"], "invalid int value"),
     "make-tiny-foreign": (["make-tiny", "{foreign}"], "was not written by this command"),

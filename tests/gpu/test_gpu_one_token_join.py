@@ -22,7 +22,9 @@ def _join(fp32_runs) -> dict:
 
 def test_the_padding_patch_is_installed(fp32_runs):
     _join(fp32_runs)  # an engine has run: the scheduler module was imported
-    assert patches.is_installed("mamba_spec_decode_padding"), patches.state("mamba_spec_decode_padding")
+    assert patches.is_installed("mamba_spec_decode_padding"), patches.state(
+        "mamba_spec_decode_padding"
+    )
 
 
 def test_joining_request_is_scheduled_without_placeholder_drafts(fp32_runs):

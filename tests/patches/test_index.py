@@ -48,8 +48,12 @@ def test_installed_after_registration_on_this_vllm_with_every_target_checked():
         if not patch.on_register:  # installed by the command that needs it; tested on its own
             continue
         patches.require("the test", patch.name)  # imports a pending patch's modules
-        assert patches.is_installed(patch.name), (patch.name, patches.state(patch.name))
-        assert "0.32.0" in patches.state(patch.name)
+        state = patches.state(patch.name)
+        if patch.name == "v1_dspark_dynamic_sd":  # vLLM 0.32 has no such check
+            assert state.startswith("not needed on vLLM 0.32.0"), state
+        else:
+            assert patches.is_installed(patch.name), (patch.name, state)
+            assert "0.32.0" in state
         module = importlib.import_module(f"vllm_nemotron_spec.patches.{patch.name}")
         assert patches._checked[patch.name] == {t.where for t in module.TARGETS}, patch.name
 
@@ -170,5 +174,5 @@ def test_the_review_tool_lists_every_target_as_checked_on_this_vllm():
         )
         for p in patches.PATCHES
     )
-    assert len([c for c in checks if c.startswith(("ok ", "fixed "))]) == expected
+    assert len([c for c in checks if c.startswith(("ok ", "fixed ", "absent "))]) == expected
     assert not [c for c in checks if c.startswith(("CHANGED", "MISSING"))]

@@ -3,8 +3,10 @@
 ``offline`` runs each method in its own ``vllm.LLM`` in this process; ``online`` drives running
 ``vllm serve`` processes with a bounded pool of streaming clients and reads their ``/metrics``.
 Each submodule imports only those listed before it: ``stats``, ``methods``, ``client`` (the one
-HTTP, SSE and Prometheus client), ``server``, ``offline``, ``online``, ``report``. What is
-measured and what is derived is described in ``docs/bench.md``.
+HTTP, SSE and Prometheus client), ``server``, ``offline``, ``online``, ``report``, then ``tune``'s
+own: ``schedule`` (the pure per-batch-size schedule arithmetic), ``tune`` (its measurements),
+``tune_report``. What is measured and what is derived is described in ``docs/bench.md`` and
+``docs/tune.md``.
 """
 
 from vllm_nemotron_spec.bench.client import parse_prometheus_text, spec_counters_from_metrics

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-SUBCOMMANDS = ("make_tiny", "demo", "inspect", "bench", "quantize", "vllm")
+SUBCOMMANDS = ("make_tiny", "demo", "inspect", "bench", "tune", "quantize", "vllm")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
             "drafts in vLLM. The plugin itself needs no command: installing the package makes "
             "`vllm serve`, `LLM(...)` and `vllm bench serve` pick it up. These commands build the "
             "tiny local model family, run the demo, quantize and check your own drafts, "
-            "benchmark, and wrap vLLM's CLI."
+            "benchmark, tune the drafted tokens per batch size, and wrap vLLM's CLI."
         ),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

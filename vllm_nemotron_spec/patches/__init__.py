@@ -57,12 +57,14 @@ class Target:
 
     ``checked``: fingerprint -> the vLLM versions whose symbol has that code (the patch was
     written and tested against it). ``fixed_upstream``: fingerprint -> versions whose code already
-    behaves as the patch makes it (the patch is then not needed). Any other code: not patched."""
+    behaves as the patch makes it (the patch is then not needed). Any other code: not patched.
+    ``absent_upstream``: why a vLLM without the symbol needs no patch (else absence refuses)."""
 
     module: str
     qualname: str
     checked: Mapping[str, str]
     fixed_upstream: Mapping[str, str] = field(default_factory=dict)
+    absent_upstream: str = ""  # non-empty: the symbol may be missing, and then nothing needs it
 
     @property
     def where(self) -> str:
@@ -161,6 +163,15 @@ PATCHES: tuple[Patch, ...] = (
         "V1 rejects DSpark and needs every draft layer in one KV-cache group",
         "DSpark and multi-group drafting exist in the V2 runner only; no V1 PR known",
         "when V1 accepts DSpark and multi-group DFlash drafts, or V1 is retired on CPU",
+    ),
+    Patch(
+        "v1_dspark_dynamic_sd",
+        "VllmConfig._maybe_disable_dynamic_sd_for_v1",
+        False,
+        "V1 drops num_speculative_tokens_per_batch_size for method dspark, whose V1 proposer is "
+        "the plugin's and honours it",
+        "V1 has no DSpark proposer upstream; the V2 runner honours the schedule",
+        "with v1_nemotron35_proposers (V1 accepts DSpark, or V1 is retired)",
     ),
     Patch(
         "draft_group_warning",
@@ -264,6 +275,11 @@ def is_installed(name: str) -> bool:
     return state(name).startswith(INSTALLED)
 
 
+def is_satisfied(name: str) -> bool:
+    """Installed, or not needed here (CPU-only on GPU, fixed or absent upstream)."""
+    return state(name).startswith((INSTALLED, NOT_NEEDED))
+
+
 def fingerprint(obj: Any) -> str:
     """A short hash of ``obj``'s code: its syntax tree without docstrings, positions or
     formatting, the same on every Python version the plugin supports (3.11-3.13)."""
@@ -341,17 +357,24 @@ def target_of(patch: str, module_name: str, qualname: str) -> Target:
         ) from None
 
 
-def checked_symbol(patch: str, module: ModuleType, qualname: str) -> tuple[bool, Any]:
-    """(needed, ``module.qualname``) after checking its code against the patch's TARGETS."""
+def checked_symbol(patch: str, module: ModuleType, qualname: str) -> Any:
+    """``module.qualname`` after checking its code against the patch's TARGETS: raises
+    ``ShapeMismatch`` for code the patch was not checked against, and ``_NotNeeded`` where
+    upstream already behaves as patched (or, as the target allows, lacks the symbol)."""
     target = target_of(patch, module.__name__, qualname)
     try:
         obj = _lookup(module, qualname)
     except AttributeError:
+        if target.absent_upstream:
+            _checked.setdefault(patch, set()).add(target.where)
+            raise _NotNeeded(f"{target.where} does not exist: {target.absent_upstream}") from None
         raise ShapeMismatch(f"{target.where} does not exist on vLLM {vllm_version()}") from None
     needed, versions = check_target(target, getattr(obj, "__wrapped__", obj))
-    _matched.setdefault(patch, set()).add(versions)
     _checked.setdefault(patch, set()).add(target.where)
-    return needed, obj
+    if not needed:
+        raise _NotNeeded(f"{target.where} already behaves as patched (as on vLLM {versions})")
+    _matched.setdefault(patch, set()).add(versions)
+    return obj
 
 
 def replace_when_imported(
@@ -368,9 +391,7 @@ def replace_when_imported(
         current = getattr(target, attr, None)
         if getattr(current, "_nemotron_spec_patch", False):
             return
-        needed, current = checked_symbol(patch, module, qualname)
-        if not needed:
-            raise _NotNeeded(qualname)
+        current = checked_symbol(patch, module, qualname)
         replacement = make(current)
         replacement.__wrapped__ = current
         replacement._nemotron_spec_patch = True
@@ -412,10 +433,7 @@ def install_when_imported(
             install(module)
         except _NotNeeded as e:
             _revert(patch)
-            _state[patch] = (
-                f"{NOT_NEEDED}: vLLM {vllm_version()} already behaves ({e} as on "
-                f"{_versions(patch)})"
-            )
+            _state[patch] = f"{NOT_NEEDED} on vLLM {vllm_version()}: {e}"
             return
         except Exception as e:  # a changed upstream symbol must not break vLLM's import
             _revert(patch)
@@ -448,7 +466,7 @@ def require(feature: str, *names: str) -> None:
                     importlib.import_module(module_name)
                 except ImportError as e:
                     _state[name] = f"{NOT_INSTALLED}: {module_name} cannot be imported ({e})"
-        if not is_installed(name):
+        if not is_satisfied(name):
             raise PatchUnavailable(
                 f"{feature} needs the vllm-nemotron-spec patch {name} ({entry(name).symbol}), "
                 f"which is {state(name)} (vLLM {vllm_version()})"

@@ -6,6 +6,11 @@ table, and vLLM's V1 ``DFlashProposer`` (``v1/spec_decode/dflash.py``) asserts "
 should belong to the same kv cache group". vLLM's V2 speculators handle several groups; V1 (the
 only runner on CPU) does not. Removal: when vLLM's V1 ``DFlashProposer`` accepts draft layers in
 several KV-cache groups (or V1 is retired on CPU).
+
+Per-batch-size speculation (``num_speculative_tokens_per_batch_size``): the runner asks for k
+drafts per request this step (vLLM's scheduler picks k from the batch size); the proposer drafts
+the whole trained block and keeps the first k, as vLLM's V2 runner does, so a draft is the same
+token whatever k the step asked for (k = 0 stores the context K/V only).
 """
 
 from __future__ import annotations
@@ -94,6 +99,9 @@ class Nemotron35DFlashProposer(DFlashProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner
+        # the block drafted every step: num_speculative_tokens of the config, whatever k a
+        # per-batch-size schedule asks for (``propose``)
+        self.block_num_speculative_tokens = self.num_speculative_tokens
         self._layer_gid: dict[str, int] = {}
         self._extra_gids: list[int] = []  # draft groups other than the runner's (kv_cache_gid)
         self._group_slots: dict[int, torch.Tensor] = {}  # gid -> query slot buffer
@@ -116,6 +124,65 @@ class Nemotron35DFlashProposer(DFlashProposer):
         if probs is None or sampling_metadata.all_greedy:
             return ids, probs
         return resample_seeded_rows(ids, probs, sampling_metadata, self.use_fp64_gumbel), probs
+
+    # --- per-batch-size speculation ------------------------------------------------------------
+
+    @override
+    def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
+        """Drafts ``[batch, k]`` for the k the runner asks for this step: the whole block is
+        drafted and the drafts past k are dropped (their draft probabilities too); k = 0 stores
+        the context K/V only (:meth:`store_context_only`)."""
+        k = int(num_speculative_tokens)
+        block = self.block_num_speculative_tokens
+        if not 0 <= k <= block:
+            raise ValueError(
+                f"num_speculative_tokens for this step: expected 0..{block} (the configured "
+                f"num_speculative_tokens), found {k}"
+            )
+        if k == 0:
+            return self.store_context_only(*args, **kwargs)
+        drafts = super().propose(block, *args, **kwargs)
+        if k == block:
+            return drafts
+        if self._last_draft_probs is not None:
+            self._last_draft_probs = self._last_draft_probs[:, :k].contiguous()
+        return drafts[:, :k].contiguous()
+
+    def store_context_only(
+        self,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        mm_embed_inputs=None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings=None,
+    ) -> torch.Tensor:
+        """A step that drafts nothing: the committed tokens' context K/V go into the draft's
+        cache (later steps attend to them) and the query pass is skipped, as in vLLM's V2
+        speculators. Returns an empty ``[batch, 0]``."""
+        self.num_speculative_tokens = self.block_num_speculative_tokens
+        self._last_draft_probs = None
+        batch_size = common_attn_metadata.batch_size()
+        self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=self.model.combine_hidden_states(target_hidden_states),
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        num_context = self._dflash_num_context
+        self.model.precompute_and_store_context_kv(
+            self._dflash_hidden_states,
+            self._context_positions_buffer[:num_context],
+            self._context_slots_per_layer(num_context),
+        )
+        return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
 
     # --- KV-cache groups ------------------------------------------------------------------------
 

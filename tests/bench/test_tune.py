@@ -1,0 +1,384 @@
+"""``tune`` without an engine: the schedule arithmetic on hand-computed cases, the report and plot
+from given measurements, and every refusal before an engine starts (the engine run is in
+``tests/e2e/test_batch_size_schedule.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from tests import draft_configs as dc
+from vllm_nemotron_spec.bench import schedule as sch
+from vllm_nemotron_spec.bench import tune
+from vllm_nemotron_spec.cli.main import main
+from vllm_nemotron_spec.runs import SpecCounters
+
+# A worked example. Acceptance per position 0.9, 0.6: E[accepted | k] = 0, 0.9, 1.5.
+PER_POSITION = [0.9, 0.6]
+STEP_MS = {  # (batch, k) -> ms
+    (1, 0): 10, (1, 1): 12, (1, 2): 14,
+    (2, 0): 11, (2, 1): 15, (2, 2): 21,
+    (4, 0): 12, (4, 1): 22, (4, 2): 35,
+    (8, 0): 14, (8, 1): 32, (8, 2): 60,
+}  # fmt: skip
+# tokens/s = batch * (1 + E) / step:
+#   batch 1: 100.0, 158.3, 178.6 -> k=2    batch 2: 181.8, 253.3, 238.1 -> k=1
+#   batch 4: 333.3, 345.5, 285.7 -> k=1    batch 8: 571.4, 475.0, 333.3 -> k=0
+CHOICE = {1: 2, 2: 1, 4: 1, 8: 0}
+RANGES = [[1, 1, 2], [2, 7, 1], [8, 8, 0]]
+
+
+def _step_seconds():
+    return {key: ms / 1000 for key, ms in STEP_MS.items()}
+
+
+@pytest.mark.parametrize(
+    "max_batch, grid",
+    [
+        (1, [1]),
+        (2, [1, 2]),
+        (6, [1, 2, 4, 6]),
+        (16, [1, 2, 4, 8, 16]),
+        (64, [1, 2, 4, 8, 16, 32, 64]),
+    ],
+)
+def test_batch_grid(max_batch, grid):
+    assert sch.batch_grid(max_batch) == grid
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_batch_grid_refuses_below_one(bad):
+    with pytest.raises(sch.ScheduleError, match=r"--max-batch must be an integer >= 1, found"):
+        sch.batch_grid(bad)
+
+
+def test_expected_accepted_sums_the_first_k_positions():
+    assert [sch.expected_accepted([0.8, 0.5, 0.2], k) for k in range(4)] == pytest.approx(
+        [0.0, 0.8, 1.3, 1.5]
+    )
+    with pytest.raises(
+        sch.ScheduleError, match=r"k = 4: acceptance was measured for positions 1\.\.3"
+    ):
+        sch.expected_accepted([0.8, 0.5, 0.2], 4)
+
+
+@pytest.mark.parametrize(
+    "rates, message",
+    [([0.5, 0.7], r"must not increase with the position: \[0\] = 0.5 < \[1\] = 0.7"),
+     ([1.2], r"acceptance\[0\] must lie in \[0, 1\], found 1.2")],
+)  # fmt: skip
+def test_per_position_rates_are_checked(rates, message):
+    with pytest.raises(sch.ScheduleError, match=message):
+        sch.expected_accepted(rates, 1)
+
+
+def test_expected_tokens_per_s():
+    # 4 requests x (1 + 0.8 + 0.5) tokens every 10 ms
+    assert sch.expected_tokens_per_s(4, [0.8, 0.5], 2, 0.010) == pytest.approx(920.0)
+    assert sch.expected_tokens_per_s(3, [0.8, 0.5], 0, 0.020) == pytest.approx(150.0)
+    with pytest.raises(sch.ScheduleError, match="step time of batch 1, k 0 must be > 0"):
+        sch.expected_tokens_per_s(1, [0.8], 0, 0.0)
+
+
+def test_choice_on_the_worked_example():
+    rates = sch.rate_table(PER_POSITION, _step_seconds())
+    assert rates[(1, 2)] == pytest.approx(2.5 / 0.014)
+    assert rates[(4, 1)] == pytest.approx(4 * 1.9 / 0.022)
+    assert sch.choose_schedule(rates) == CHOICE
+    assert sch.merge_ranges(CHOICE) == RANGES
+
+
+def test_ties_go_to_the_smaller_k():
+    assert sch.choose_k({0: 5.0, 1: 7.0, 2: 7.0}) == 1
+    assert sch.choose_k({3: 1.0, 2: 1.0}) == 2
+
+
+@pytest.mark.parametrize(
+    "choice, ranges",
+    [
+        ({1: 3}, [[1, 1, 3]]),
+        ({1: 3, 2: 3, 4: 3}, [[1, 4, 3]]),
+        ({1: 0, 2: 5, 4: 5, 8: 0}, [[1, 1, 0], [2, 7, 5], [8, 8, 0]]),
+        ({1: 2, 2: 1, 4: 2, 6: 2}, [[1, 1, 2], [2, 3, 1], [4, 6, 2]]),
+    ],
+)
+def test_merge_ranges(choice, ranges):
+    assert sch.merge_ranges(choice) == ranges
+
+
+def test_merge_ranges_needs_batch_one():
+    with pytest.raises(sch.ScheduleError, match="must start at 1 .* found 2"):
+        sch.merge_ranges({2: 1, 4: 0})
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 13, 64])
+def test_vllm_reads_the_ranges_as_chosen(max_num_seqs):
+    """vLLM's own dense lookup of the merged ranges gives each grid batch size its chosen k,
+    each batch size between grid points the k of the grid point below, and the last k beyond."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    lookup = build_dynamic_sd_schedule_lookup(RANGES, max_num_seqs, 2)
+    grid = sorted(CHOICE)
+    for b in range(1, max_num_seqs + 1):
+        below = max(g for g in grid if g <= b)
+        assert lookup[b] == CHOICE[below] == sch.k_for_batch(RANGES, b, 2), b
+
+
+def test_k_for_batch_caps_at_num_speculative_tokens():
+    assert sch.k_for_batch([[1, 2, 5], [8, 9, 1]], 4, 3) == 3  # the gap keeps 5, capped at 3
+    assert sch.k_for_batch([[1, 2, 5], [8, 9, 1]], 50, 3) == 1
+
+
+def test_speculative_config():
+    config = sch.speculative_config("dspark", "/d", RANGES, {"attention_backend": "FLASH_ATTN"})
+    assert config == {
+        "method": "dspark",
+        "model": "/d",
+        "attention_backend": "FLASH_ATTN",
+        "num_speculative_tokens": 2,
+        "num_speculative_tokens_per_batch_size": RANGES,
+    }
+    assert sch.speculative_config("dflash", "/d", [[1, 16, 0]]) is None
+
+
+def test_vllm_accepts_the_config():
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    config = sch.speculative_config("dspark", "/d", RANGES)
+    schedule = config["num_speculative_tokens_per_batch_size"]
+    assert validate_and_normalize_dynamic_sd_schedule(schedule) == [tuple(r) for r in RANGES]
+
+
+# --------------------------------------------------------------------------------------------
+# The report from given measurements.
+
+
+def _plan(**changes):
+    values = dict(
+        target="/t",
+        method="dspark",
+        draft="/d",
+        ks=(0, 1, 2),
+        batch_sizes=(1, 2, 4, 8),
+        block_limit=8,
+    )
+    values.update(changes)
+    return tune.TunePlan(**values)
+
+
+def _measurements(sampled=None):
+    timings = [
+        tune.StepTiming(b, k, [ms / 1000] * 3, [b * (1 + k)] * 3) for (b, k), ms in STEP_MS.items()
+    ]
+    greedy = SpecCounters(num_drafts=100, num_draft_tokens=200, num_accepted_tokens=150,
+                          accepted_per_position=[90, 60])  # fmt: skip
+    acceptance = {"greedy": greedy}
+    if sampled is not None:
+        acceptance["sampled"] = sampled
+    return tune.Measurements(acceptance, timings, 12.5, {0: 1.0, 1: 2.0, 2: 2.0})
+
+
+class _Prompts:
+    source, prompts = "tiny-family", ("a", "b", "c")
+
+
+def _report(plan=None, measurements=None):
+    return tune.tune_report(
+        plan or _plan(),
+        measurements or _measurements(),
+        prompts=_Prompts,
+        platform="cpu",
+        vllm_version="0.32.0",
+    )
+
+
+def test_report_on_the_worked_example():
+    report = _report()
+    assert report["acceptance_used"] == "greedy"
+    assert report["expected_accepted"] == {"0": 0.0, "1": 0.9, "2": 1.5}
+    assert [(c["batch"], c["k"]) for c in report["chosen"]] == sorted(CHOICE.items())
+    assert report["chosen"][1]["speedup_vs_k0"] == pytest.approx(253.333 / 181.818, abs=1e-3)
+    assert report["block"] == 2
+    assert report["schedule"] == RANGES
+    assert report["speculative_config"]["num_speculative_tokens_per_batch_size"] == RANGES
+    cell = next(m for m in report["measurements"] if (m["batch"], m["k"]) == (4, 1))
+    assert cell["expected_tokens_per_s"] == pytest.approx(345.455, abs=1e-3)
+    assert cell["step_ms"] == 22 and cell["measured_tokens_per_step"] == 2.0
+    json.dumps(report, allow_nan=False)
+
+
+def test_report_uses_sampled_acceptance_when_sampling():
+    """At a temperature, the schedule follows the sampled acceptance: here drafts are rarely
+    accepted, so k = 0 wins everywhere and no config is offered (serve plain decoding)."""
+    sampled = SpecCounters(num_drafts=100, num_draft_tokens=200, num_accepted_tokens=10,
+                           accepted_per_position=[10, 0])  # fmt: skip
+    report = _report(_plan(temperature=0.8), _measurements(sampled))
+    assert report["acceptance_used"] == "sampled"
+    assert report["schedule"] == [[1, 8, 0]]
+    assert report["speculative_config"] is None
+
+
+def test_text_report_and_serving_commands(monkeypatch):
+    from vllm_nemotron_spec.bench import tune_report as tr
+
+    monkeypatch.setattr("vllm_nemotron_spec.checkpoint.inspect.serve_program", lambda: "vllm serve")
+    text = tr.format_tune_report(_report(), "/out/schedule.json")
+    assert "vllm serve /t --speculative-config '" in text
+    config = json.loads(text.split("--speculative-config '")[1].split("'")[0])
+    assert config["num_speculative_tokens_per_batch_size"] == RANGES
+    assert "json.load(open('/out/schedule.json'))" in text
+    assert "batch sizes above 8 keep k=0" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("4 "))
+    assert row.count("*") == 1 and "345.5*" in row
+    plain = tr.format_tune_report(_report(_plan(temperature=0.8), _measurements(
+        SpecCounters(100, 200, 10, [10, 0]))))  # fmt: skip
+    assert "no k above 0 pays at any measured batch size: serve plain decoding" in plain
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from vllm_nemotron_spec.bench.tune_report import plot_tune_report
+
+    path = plot_tune_report(_report(), tmp_path / "tune.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_step_timing_json():
+    t = tune.StepTiming(2, 1, [0.010, 0.012, 0.011, 0.030], [4, 3, 4, 3])
+    out = t.to_json()
+    assert out["step_ms"] == pytest.approx(11.5)
+    q1, q3 = out["step_ms_quartiles"]
+    assert q1 <= 11.5 <= q3
+    assert out["measured_tokens_per_step"] == pytest.approx(14 / 8)
+    assert t.scattered  # one slow step in four: quartiles far apart
+    assert not tune.StepTiming(2, 1, [0.010, 0.011, 0.0105, 0.0102], [4] * 4).scattered
+
+
+def test_scattered_points_are_reported():
+    m = _measurements()
+    m.timings[0].seconds = [0.010, 0.030, 0.010, 0.030]  # batch 1, k 0
+    report = _report(measurements=m)
+    assert report["scattered"] == [[1, 0]]
+    from vllm_nemotron_spec.bench.tune_report import format_tune_report
+
+    assert "warning: step times scattered at 1 of 12 points" in format_tune_report(report)
+    assert _report()["scattered"] == []
+
+
+def test_progress_eta(capsys):
+    meter = tune.Progress(starts=2, measures=3)
+    meter.done("start", 10.0, "engine started")  # left: 1 start (10 s) + 3 measures (10 s each)
+    meter.done("measure", 2.0, "batch 1")  # left: 1 start (10 s) + 2 measures (2 s)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "tune [1/5] engine started (10.0 s; ETA 40s)",
+        "tune [2/5] batch 1 (2.0 s; ETA 14s)",
+    ]
+
+
+def test_engine_order_measures_acceptance_first():
+    assert _plan(ks=(0, 1, 2, 3)).engine_order == [3, 0, 1, 2]
+
+
+def test_each_k_is_measured_as_a_schedule_serves_it():
+    """The whole block (the largest k) drafted, k verified at every measured batch size."""
+    plan = _plan(ks=(0, 2, 5), speculative_extra={"attention_backend": "FLASH_ATTN"})
+    for k in plan.ks:
+        assert plan.speculative_config(k) == {
+            "method": "dspark",
+            "model": "/d",
+            "attention_backend": "FLASH_ATTN",
+            "num_speculative_tokens": 5,
+            "num_speculative_tokens_per_batch_size": [[1, 8, k]],
+        }
+
+
+def test_a_smaller_served_block_is_said():
+    """A schedule whose largest k is below the measured block is served with the smaller block."""
+    from vllm_nemotron_spec.bench.tune_report import format_tune_report
+
+    report = _report()
+    assert report["speculative_config"]["num_speculative_tokens"] == report["block"] == 2
+    assert "served with a block" not in format_tune_report(report)
+    report["block"] = 4  # as if k = 4 had been measured and never chosen
+    assert "(served with a block of 2, the schedule's largest k" in format_tune_report(report)
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals, each before any engine starts.
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(tune, "run_tune", refuse)
+
+
+def _tune(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["tune", *map(str, argv)])
+    return code, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def generic_dspark(tmp_path_factory):
+    path = tmp_path_factory.mktemp("generic") / "dspark"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(dc.generic_dspark_config()))
+    return path
+
+
+def test_refusals(tiny_family, generic_dspark, tmp_path, no_engine):
+    target, dspark = tiny_family.target, tiny_family.dspark_draft
+    pair = [target, "--method", "dspark", "--draft", dspark]
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    foreign = tmp_path / "notes.json"
+    foreign.write_text('{"hello": 1}')
+    cases = [
+        ([*pair, "--max-batch", "0"], "--max-batch must be an integer >= 1, found 0"),
+        ([*pair, "--prompts", empty], f"{empty}: no prompts"),
+        ([*pair, "--k", "0,9"], "--k 9: num_speculative_tokens=9 exceeds the trained block_size 8"),
+        ([*pair, "--k", "0,x"], "--k '0,x': expected comma-separated integers"),
+        ([*pair, "--k", "0"], "--k: nothing to tune; give at least one k >= 1"),
+        ([*pair, "--k", "0,-1"], "--k: every k must be an integer >= 0, found -1"),
+        ([*pair, "--steps", "0"], "--steps must be >= 1, found 0"),
+        ([*pair, "--out", foreign], "is not a schedule this command wrote; refusing"),
+        (
+            [*pair, "--speculative-arg", "num_speculative_tokens=3"],
+            "--speculative-arg: num_speculative_tokens is set by tune itself",
+        ),
+        (
+            [target, "--method", "dflash", "--draft", dspark],
+            "--method dflash: the draft is a dspark draft (Qwen3DSparkModel); use --method dspark",
+        ),
+        (
+            [dspark, "--method", "dspark", "--draft", dspark],
+            "not a NemotronH model (NemotronHForCausalLM)",
+        ),
+        (
+            [target, "--method", "dspark", "--draft", generic_dspark],
+            "a Qwen3DSparkModel draft without the Nemotron 3.5 layout",
+        ),
+        ([target, "--method", "dspark", "--draft", tmp_path / "none"], "--draft"),
+    ]
+    for argv, message in cases:
+        code, err = _tune(*argv)
+        assert code == 2 and message in err, (argv, err)
+        assert "Traceback" not in err
+
+
+def test_a_rewritten_schedule_file_may_be_replaced(tmp_path):
+    from vllm_nemotron_spec.cli.tune import check_schedule_file, write_schedule_file
+
+    dest = check_schedule_file(tmp_path / "s.json")
+    write_schedule_file(dest, {"method": "dspark", "num_speculative_tokens": 2})
+    assert check_schedule_file(dest) == dest
+    assert json.loads(dest.read_text()) == {"method": "dspark", "num_speculative_tokens": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary left behind
