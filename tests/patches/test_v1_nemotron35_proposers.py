@@ -112,3 +112,18 @@ def test_slots_from_block_table_matches_vllm_slot_rule():
     pos = torch.tensor([0, 17, 3, 16, 99])  # 99 // 16 = 6: clamped to the last column
     got = slots_from_block_table(table, req, pos, 16)
     assert got.tolist() == [5 * 16 + 0, 9 * 16 + 1, 7 * 16 + 3, 1 * 16 + 0, 3 * 16 + 3]
+
+
+def test_every_vllm_method_the_proposers_override_is_a_checked_target():
+    """The plugin's proposers extend vLLM's: each base method they override is pinned by its
+    fingerprint, so a changed base refuses instead of running half-old code."""
+    from vllm_nemotron_spec.proposers.dflash import Nemotron35DFlashProposer
+    from vllm_nemotron_spec.proposers.dspark import Nemotron35DSparkProposer
+
+    listed = {t.qualname for t in patch.TARGETS}
+    bases = [c for c in Nemotron35DFlashProposer.__mro__[1:] if c.__module__.startswith("vllm.")]
+    for cls in (Nemotron35DFlashProposer, Nemotron35DSparkProposer):
+        for name in vars(cls):
+            owner = next((b for b in bases if name in vars(b)), None)
+            if owner is not None:
+                assert f"{owner.__name__}.{name}" in listed, f"{owner.__name__}.{name}"
