@@ -21,7 +21,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 from vllm_nemotron_spec import patches
-from vllm_nemotron_spec.checkpoint.inspect import draft_spec_from_vllm_config
+from vllm_nemotron_spec.checkpoint.check import draft_spec_from_vllm_config
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 from vllm_nemotron_spec.models.nemotron35_dflash import (
     check_built_model_matches_spec,
