@@ -12,7 +12,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_nemotron_spec._torch import deterministic_torch, torch_threads
@@ -269,7 +269,3 @@ def greedy_reference(model, prompt_ids: Sequence[int], max_new_tokens: int) -> l
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
             ids.append(int(torch.argmax(logits)))
     return ids[len(prompt_ids) :]
-
-
-def target_params_dict(params: TargetParams) -> dict:
-    return asdict(params)
