@@ -1,18 +1,19 @@
 """A real ``vllm serve`` with the DFlash / DSpark path keeps working and stays exact
 under stress (CPU, tiny family, 127.0.0.1).
 
-Two servers run for the module: a plain one (the reference: each request served ALONE, without
-speculative decoding) and a speculative one whose KV cache is cut to 40 blocks. On the
-speculative server, in order: a load of concurrent streaming and non-streaming greedy requests
-(mixed prompt lengths up to the context length, mixed max_tokens), a burst that makes the
-scheduler preempt and resume requests while drafting, clients that disconnect mid-stream, invalid
-requests, and seeded sampling. Servers started with invalid speculative configs must exit with a
-one-line error naming the field (they run in the background while the servers start).
+A plain server runs for the module (the reference: each request served ALONE, without
+speculative decoding), and a speculative one for each method (DFlash, then DSpark) whose KV cache
+is cut to a few requests' worth (``KV_BLOCKS``). On each speculative server, in order: a load of
+concurrent streaming and non-streaming greedy requests (mixed prompt lengths up to the context
+length, mixed max_tokens), a burst that makes the scheduler preempt and resume requests while
+drafting, clients that disconnect mid-stream, invalid requests, and seeded sampling. Servers
+started with invalid speculative configs must exit with a one-line error naming the field (they
+run in the background while the servers start).
 
 The workload and the checks live in ``benchmarks/serving_reliability.py`` (which also records the
 figures in benchmarks/RESULTS.md). CI size: 64 requests from 64 clients, outputs up to 64 tokens,
-a burst of 12 x 256 tokens, about 3 minutes on 2 cores. The full size (256 requests, outputs up to
-256 tokens, a burst of 24 x 384, more aborts, one more start-up case) runs with
+a burst of 12 x 256 tokens, about 3 minutes a method on 2 cores. The full size (256 requests,
+outputs up to 256 tokens, a burst of 24 x 384, more aborts, one more start-up case) runs with
 VLLM_NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
 
 Three vLLM bugs are checked as fixed by the plugin's patches: seeded sampling under speculative
@@ -53,26 +54,9 @@ rel = _load_benchmark()
 
 SIZE = rel.SIZES["full" if os.environ.get("VLLM_NEMOTRON_SPEC_SLOW_TESTS") == "1" else "ci"]
 
-DSPARK_IN_CI = False
-"""Whether the CI size also runs the DSpark parametrisation (the tiny family's trained DSpark
-draft on the plugin's V1 DSpark proposer). It passes in about 2.5 minutes but doubles the CI time;
-the full size (VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) always runs it. Flip to True to run it in CI
-too."""
-
-METHODS = [
-    pytest.param("dflash", id="dflash"),
-    pytest.param(
-        "dspark",
-        id="dspark",
-        marks=()
-        if DSPARK_IN_CI or SIZE.name != "ci"
-        else pytest.mark.skip(
-            reason="DSpark runs in the full size "
-            "(VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) or with DSPARK_IN_CI = True; "
-            "it doubles the CI time"
-        ),
-    ),
-]
+METHODS = ["dflash", "dspark"]
+"""The stressed server's drafts: the tiny family's trained DFlash draft (vLLM's V1 DFlash proposer)
+and its trained DSpark draft (the plugin's V1 DSpark proposer), each on its own server."""
 K = rel.NUM_SPECULATIVE_TOKENS
 
 
