@@ -1,10 +1,18 @@
 """What ``make-tiny`` and ``demo`` print tells a user where the models are (absolute paths, the
-trained drafts named as such) and how to serve them (float32, as the family is stored)."""
+trained drafts named as such) and how to serve them (float32, as the family is stored), and the
+demo's first run prints progress and results, not warnings."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from vllm_nemotron_spec.cli import demo
 from vllm_nemotron_spec.cli import main as cli
@@ -77,3 +85,53 @@ def test_vllm_passthrough_hands_help_to_vllm():
     """``vllm-nemotron-spec vllm bench serve --help`` shows vLLM's help, not the passthrough's."""
     args, extra = cli.build_parser().parse_known_args(["vllm", "bench", "serve", "--help"])
     assert args.command == "vllm" and extra == ["bench", "serve", "--help"]
+
+
+def test_build_steps_fix_their_thread_count_after_vllms_cpu_worker_started(monkeypatch):
+    """vLLM's in-process CPU worker replaces ``torch.set_num_threads`` with a stub that only logs
+    "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding" (85 such
+    lines when drafts were trained after an engine ran, and the training then ran at another
+    thread count than its cache key says). The build steps still set and restore their thread
+    count, without calling the stub."""
+    import torch
+
+    from vllm_nemotron_spec._torch import deterministic_torch, torch_threads
+
+    stub_calls = []
+    monkeypatch.setattr(torch, "set_num_threads", stub_calls.append)
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    for step in (deterministic_torch, torch_threads):
+        with step(wanted):
+            assert torch.get_num_threads() == wanted
+        assert torch.get_num_threads() == before
+    assert stub_calls == []
+
+
+WARNING_LINE = re.compile(r"\bWARNING\b|Warning\b|warnings\.warn")
+"""A line of vLLM's logger at WARNING level, or of Python's warnings (``FutureWarning: ...``)."""
+
+
+@pytest.mark.engine
+def test_demo_prints_progress_and_results_and_no_warning(tiny_family, tiny_seed):
+    """``vllm-nemotron-spec demo`` (the README's first command) on the built family: its report
+    and no warning line, from the package, vLLM (e.g. "Unknown vLLM environment variable
+    detected" for a ``VLLM_``-prefixed variable of the package, in every vLLM process) or Python
+    (FutureWarning, DeprecationWarning)."""
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+    ensure_trained_drafts(family=tiny_family)  # the demo's own first run trains them
+    env = dict(os.environ)
+    env.pop("PYTHONWARNINGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_nemotron_spec.cli.main", "demo", "--seed", str(tiny_seed),
+         "--num-prompts", "2", "--max-tokens", "8"],
+        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "all speculative runs match plain decoding" in proc.stdout, output[-4000:]
+    assert "NEMOTRON_SPEC_CACHE" in env  # a variable of the package reaches every vLLM process
+    lines = [line for line in re.split(r"[\r\n]+", output) if WARNING_LINE.search(line)]
+    assert not lines, f"{len(lines)} warning line(s):\n" + "\n".join(lines[:20])

