@@ -10,7 +10,6 @@ NemotronH config hook (``target_hook``) refuses a draft with any, so both say th
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 from vllm_nemotron_spec.checkpoint import headers, layout
@@ -38,11 +37,6 @@ class ModuleCheck:
     found_shape: tuple[int, ...] | None = None
     ok: bool = True
     truncated: bool = False  # a tensor of it lies past the end of a truncated file
-
-    @property
-    def group(self) -> str:
-        """The name with layer indices replaced by ``*`` (for grouping the 6 layers)."""
-        return re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", self.name)
 
 
 @dataclass(frozen=True)
