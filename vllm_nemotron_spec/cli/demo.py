@@ -9,7 +9,9 @@ token-for-token identical to plain decoding. Exit code 0 only when every run is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import shlex
 import sys
 from pathlib import Path
@@ -58,7 +60,8 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--verbose",
         action="store_true",
-        help="show vLLM's INFO logs (default: only its warnings and errors)",
+        help="show vLLM's INFO logs and all its warnings (default: its warnings and errors, "
+        "less those about the demo's own engine settings)",
     )
     parser.set_defaults(func=run)
 
@@ -73,6 +76,43 @@ def parse_methods(text: str) -> list[str]:
     return ["plain"] + [m for m in methods if m != "plain"]
 
 
+VLLM_DEMO_NOISE = (
+    "Enforce eager set",
+    "Inductor compilation was disabled",
+    "The global random seed is set",
+    "Model Runner V2 requires Triton",
+    "Triton is not installed",
+    "is not found in LD_PRELOAD",
+    "Speculative decoding on CPU without Intel OpenMP",
+)
+"""vLLM warnings (the starts or parts of their messages) about what the demo chose itself (eager
+fp32 engines, in its own process, vLLM's V1 runner on CPU) and CPU tuning advice that does not
+matter at the tiny family's size: left out of the demo's output unless ``--verbose``. Every other
+warning shows."""
+
+
+class _DropDemoNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        message = record.getMessage()
+        return not any(noise in message for noise in VLLM_DEMO_NOISE)
+
+
+@contextlib.contextmanager
+def vllm_demo_noise_dropped():
+    """vLLM's log handlers (configured when vLLM is imported) leave out :data:`VLLM_DEMO_NOISE`."""
+    handlers = logging.getLogger("vllm").handlers
+    noise = _DropDemoNoise()
+    for handler in handlers:
+        handler.addFilter(noise)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(noise)
+
+
 def run_demo(
     methods: list[str],
     num_prompts: int,
@@ -80,8 +120,10 @@ def run_demo(
     seed: int = 0,
     family_dir: str | None = None,
     num_speculative_tokens: int | None = None,
+    verbose: bool = False,
 ) -> dict:
-    """Run the demo and return the JSON-able report (see README for the fields)."""
+    """Run the demo and return the JSON-able report (see README for the fields); ``verbose``:
+    every warning of vLLM (else not :data:`VLLM_DEMO_NOISE`)."""
     import os
 
     from vllm_nemotron_spec.runs import set_cpu_engine_defaults
@@ -98,8 +140,6 @@ def run_demo(
     from vllm.platforms import current_platform
 
     from vllm_nemotron_spec.bench import family_draft
-    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
-    from vllm_nemotron_spec.runs import generate, make_llm, release
     from vllm_nemotron_spec.tiny.corpus import sample_prompts
 
     prompts = (sample_prompts() * num_prompts)[:num_prompts]
@@ -108,60 +148,72 @@ def run_demo(
         engine_kwargs["enable_prefix_caching"] = False
     # Every draft before the first engine: trained (first run) while the output is still the
     # demo's own progress.
-    trained = {m: family_draft(METHODS[m], family) for m in methods if METHODS[m] is not None}
-    drafts = {m: str(Path(draft).resolve()) for m, draft in trained.items()}
+    drafts = {m: family_draft(METHODS[m], family) for m in methods if METHODS[m] is not None}
     runs, reference = [], None
-    for method in methods:
-        spec = METHODS[method]
-        speculative_config = None
-        if spec is not None:
-            draft = trained[method]
-            speculative_config = {
-                "method": spec,
-                "model": draft,
-                "num_speculative_tokens": DraftSpec.from_pretrained(
-                    draft
-                ).resolve_num_speculative_tokens(num_speculative_tokens),
-            }
-        llm = make_llm(str(family.target), speculative_config, **engine_kwargs)
-        result = generate(llm, prompts, max_tokens, method)
-        release(llm)
-        if reference is None:
-            reference = result.token_ids
-        first_mismatch = next(
-            (i for i, (a, b) in enumerate(zip(result.token_ids, reference)) if a != b), None
-        )
-        runs.append(
-            {
-                "method": method,
-                "num_prompts": len(prompts),
-                "output_tokens": result.num_output_tokens,
-                "seconds": round(result.seconds, 3),
-                "tokens_per_s": round(result.tokens_per_s, 2),
-                "mean_acceptance_length": (
-                    None
-                    if spec is None or result.counters.mean_acceptance_length is None
-                    else round(result.counters.mean_acceptance_length, 3)
-                ),
-                "per_position_acceptance": [
-                    round(x, 3) for x in result.counters.per_position_acceptance
-                ],
-                "num_speculative_tokens": (
-                    None if spec is None else len(result.counters.accepted_per_position) or None
-                ),
-                "lossless": first_mismatch is None,
-                "first_mismatching_prompt": first_mismatch,
-            }
-        )
+    with contextlib.nullcontext() if verbose else vllm_demo_noise_dropped():
+        for method in methods:
+            run, token_ids = _run_method(
+                method, family, drafts.get(method), prompts, max_tokens, num_speculative_tokens,
+                reference, engine_kwargs,
+            )  # fmt: skip
+            reference = token_ids if reference is None else reference
+            runs.append(run)
     return {
         "vllm_version": vllm.__version__,
         "platform": current_platform.device_name if not current_platform.is_cpu() else "cpu",
         "family": str(family.root),
         "target": str(Path(family.target).resolve()),
-        "drafts": drafts,
+        "drafts": {m: str(Path(draft).resolve()) for m, draft in drafts.items()},
         "max_tokens": max_tokens,
         "runs": runs,
     }
+
+
+def _run_method(
+    method, family, draft, prompts, max_tokens, num_speculative_tokens, reference, engine_kwargs
+) -> tuple[dict, list[list[int]]]:
+    """One engine of the demo: its report entry and its tokens (``reference``: plain decoding's,
+    None for plain decoding itself)."""
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
+    from vllm_nemotron_spec.runs import generate, make_llm, release
+
+    spec = METHODS[method]
+    speculative_config = None
+    if spec is not None:
+        speculative_config = {
+            "method": spec,
+            "model": draft,
+            "num_speculative_tokens": DraftSpec.from_pretrained(
+                draft
+            ).resolve_num_speculative_tokens(num_speculative_tokens),
+        }
+    llm = make_llm(str(family.target), speculative_config, **engine_kwargs)
+    result = generate(llm, prompts, max_tokens, method)
+    release(llm)
+    reference = result.token_ids if reference is None else reference
+    first_mismatch = next(
+        (i for i, (a, b) in enumerate(zip(result.token_ids, reference)) if a != b), None
+    )
+    counters = result.counters
+    run = {
+        "method": method,
+        "num_prompts": len(prompts),
+        "output_tokens": result.num_output_tokens,
+        "seconds": round(result.seconds, 3),
+        "tokens_per_s": round(result.tokens_per_s, 2),
+        "mean_acceptance_length": (
+            None
+            if spec is None or counters.mean_acceptance_length is None
+            else round(counters.mean_acceptance_length, 3)
+        ),
+        "per_position_acceptance": [round(x, 3) for x in counters.per_position_acceptance],
+        "num_speculative_tokens": (
+            None if spec is None else len(counters.accepted_per_position) or None
+        ),
+        "lossless": first_mismatch is None,
+        "first_mismatching_prompt": first_mismatch,
+    }
+    return run, result.token_ids
 
 
 def format_report(report: dict) -> str:
@@ -211,6 +263,7 @@ def run(args) -> int:
             seed=args.seed,
             family_dir=args.family_dir,
             num_speculative_tokens=args.num_speculative_tokens,
+            verbose=args.verbose,
         )
     if args.json:
         print(json.dumps(report))
