@@ -357,6 +357,7 @@ def _read_index(path: str, problems: list[str]) -> dict[str, str]:
 
 
 def name_list(names: list[str], limit: int = 8) -> str:
+    """The first ``limit`` names, quoted, and how many more (for one-line problems)."""
     shown = ", ".join(f"`{n}`" for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
