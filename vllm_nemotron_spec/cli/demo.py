@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import logging
+import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 # method -> speculative method name (None = plain decoding). DFlash and DSpark run the drafts
@@ -60,8 +63,8 @@ def add_parser(sub) -> None:
     parser.add_argument(
         "--verbose",
         action="store_true",
-        help="show vLLM's INFO logs and all its warnings (default: its warnings and errors, "
-        "less those about the demo's own engine settings)",
+        help="show vLLM's INFO logs and warnings (default: the plugin's warnings and everyone's "
+        "errors; vLLM's warnings are about the engines the demo configures itself)",
     )
     parser.set_defaults(func=run)
 
@@ -76,41 +79,44 @@ def parse_methods(text: str) -> list[str]:
     return ["plain"] + [m for m in methods if m != "plain"]
 
 
-VLLM_DEMO_NOISE = (
-    "Enforce eager set",
-    "Inductor compilation was disabled",
-    "The global random seed is set",
-    "Model Runner V2 requires Triton",
-    "Triton is not installed",
-    "is not found in LD_PRELOAD",
-    "Speculative decoding on CPU without Intel OpenMP",
-)
-"""vLLM warnings (the starts or parts of their messages) about what the demo chose itself (eager
-fp32 engines, in its own process, vLLM's V1 runner on CPU) and CPU tuning advice that does not
-matter at the tiny family's size: left out of the demo's output unless ``--verbose``. Every other
-warning shows."""
+PLUGIN_LOGGERS = ("vllm.nemotron_spec", "vllm.plugins.nemotron_spec")
+"""The plugin's loggers under vLLM's ``vllm`` logger (its others log outside it)."""
 
 
-class _DropDemoNoise(logging.Filter):
+class PluginWarningsOnly(logging.Filter):
+    """Keeps the plugin's records and every record at ERROR or above: vLLM's own warnings in the
+    demo are about the engines the demo configures itself (eager fp32 engines in its own process,
+    vLLM's V1 runner on CPU, several engines one after another) and CPU tuning advice that does
+    not matter at the tiny family's size."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING:
-            return True
-        message = record.getMessage()
-        return not any(noise in message for noise in VLLM_DEMO_NOISE)
+        return record.levelno >= logging.ERROR or record.name.startswith(PLUGIN_LOGGERS)
 
 
 @contextlib.contextmanager
-def vllm_demo_noise_dropped():
-    """vLLM's log handlers (configured when vLLM is imported) leave out :data:`VLLM_DEMO_NOISE`."""
-    handlers = logging.getLogger("vllm").handlers
-    noise = _DropDemoNoise()
-    for handler in handlers:
-        handler.addFilter(noise)
-    try:
+def plugin_warnings_only():
+    """vLLM's log handler filtered by :class:`PluginWarningsOnly`, in every engine started here:
+    vLLM's default logging config with the filter, given to vLLM the way it reads a user's
+    (``VLLM_LOGGING_CONFIG_PATH``, which a user's setting overrides). Enter it after importing vLLM,
+    before the first engine."""
+    if os.environ.get("VLLM_LOGGING_CONFIG_PATH"):
         yield
-    finally:
-        for handler in handlers:
-            handler.removeFilter(noise)
+        return
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import DEFAULT_LOGGING_CONFIG, configure_logging
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["filters"] = {"plugin_warnings_only": {"()": f"{__name__}.PluginWarningsOnly"}}
+    config["handlers"]["vllm"]["filters"] = ["plugin_warnings_only"]
+    with tempfile.TemporaryDirectory(prefix="nemotron-spec-demo-") as tmp:
+        path = Path(tmp) / "vllm-logging.json"
+        path.write_text(json.dumps(config), encoding="utf-8")
+        os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(path)
+        try:
+            configure_logging(LoggingConfig())
+            yield
+        finally:
+            os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
 
 
 def run_demo(
@@ -123,9 +129,7 @@ def run_demo(
     verbose: bool = False,
 ) -> dict:
     """Run the demo and return the JSON-able report (see README for the fields); ``verbose``:
-    every warning of vLLM (else not :data:`VLLM_DEMO_NOISE`)."""
-    import os
-
+    vLLM's warnings too (else :func:`plugin_warnings_only`)."""
     from vllm_nemotron_spec.runs import set_cpu_engine_defaults
     from vllm_nemotron_spec.tiny.build import build_tiny_family, ensure_tiny_family
 
@@ -137,6 +141,26 @@ def run_demo(
     # vLLM logs to stdout by default; keep stdout for the report (and --json parseable).
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     import vllm
+
+    with contextlib.nullcontext() if verbose else plugin_warnings_only():
+        runs, drafts = _run_methods(
+            methods, family, num_prompts, max_tokens, num_speculative_tokens
+        )
+    from vllm.platforms import current_platform
+
+    return {
+        "vllm_version": vllm.__version__,
+        "platform": current_platform.device_name if not current_platform.is_cpu() else "cpu",
+        "family": str(family.root),
+        "target": str(Path(family.target).resolve()),
+        "drafts": {m: str(Path(draft).resolve()) for m, draft in drafts.items()},
+        "max_tokens": max_tokens,
+        "runs": runs,
+    }
+
+
+def _run_methods(methods, family, num_prompts, max_tokens, num_speculative_tokens):
+    """Every method's report entry, plain decoding first (the reference), and the drafts used."""
     from vllm.platforms import current_platform
 
     from vllm_nemotron_spec.bench import family_draft
@@ -150,23 +174,14 @@ def run_demo(
     # demo's own progress.
     drafts = {m: family_draft(METHODS[m], family) for m in methods if METHODS[m] is not None}
     runs, reference = [], None
-    with contextlib.nullcontext() if verbose else vllm_demo_noise_dropped():
-        for method in methods:
-            run, token_ids = _run_method(
-                method, family, drafts.get(method), prompts, max_tokens, num_speculative_tokens,
-                reference, engine_kwargs,
-            )  # fmt: skip
-            reference = token_ids if reference is None else reference
-            runs.append(run)
-    return {
-        "vllm_version": vllm.__version__,
-        "platform": current_platform.device_name if not current_platform.is_cpu() else "cpu",
-        "family": str(family.root),
-        "target": str(Path(family.target).resolve()),
-        "drafts": {m: str(Path(draft).resolve()) for m, draft in drafts.items()},
-        "max_tokens": max_tokens,
-        "runs": runs,
-    }
+    for method in methods:
+        run, token_ids = _run_method(
+            method, family, drafts.get(method), prompts, max_tokens, num_speculative_tokens,
+            reference, engine_kwargs,
+        )  # fmt: skip
+        reference = token_ids if reference is None else reference
+        runs.append(run)
+    return runs, drafts
 
 
 def _run_method(
@@ -255,6 +270,10 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"vllm-nemotron-spec demo: {exc}", file=sys.stderr)
         return 2
+    if not args.verbose and "torch" not in sys.modules:
+        # vLLM's CPU worker reports its NUMA memory binding as a torch C++ warning, which only
+        # this setting (read when torch loads) holds back.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     with vllm_log_level(None if args.verbose else "WARNING"):
         report = run_demo(
             methods,
