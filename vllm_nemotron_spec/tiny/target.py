@@ -211,7 +211,7 @@ def build_target(
     from transformers import NemotronHForCausalLM
 
     outdir = Path(outdir)
-    with deterministic_torch(params.num_threads), _quiet_kernel_fallback_warnings():
+    with deterministic_torch(params.num_threads), quiet_kernel_fallback_warnings():
         torch.manual_seed(seed)
         config = make_config(params, tokenizer.get_vocab_size(with_added_tokens=True))
         model = NemotronHForCausalLM(config).to(torch.float32)
@@ -228,9 +228,9 @@ def build_target(
 
 
 @contextlib.contextmanager
-def _quiet_kernel_fallback_warnings():
+def quiet_kernel_fallback_warnings():
     """transformers warns that Mamba-2 runs its reference PyTorch path (no mamba-ssm kernels on
-    CPU); that is expected here, so keep it out of the build's output."""
+    CPU); that is expected wherever the build runs the target, so keep it out of the output."""
     log = logging.getLogger("transformers.integrations.hub_kernels")
     level = log.level
     log.setLevel(logging.ERROR)
