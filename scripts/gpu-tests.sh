@@ -18,8 +18,8 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 PYTHON=${PYTHON:-python3}
-CACHE=${NEMOTRON_SPEC_CACHE:-${VLLM_NEMOTRON_SPEC_CACHE:-$PWD/.cache/nemotron-spec}}
-export NEMOTRON_SPEC_CACHE="$CACHE" VLLM_NEMOTRON_SPEC_CACHE="$CACHE"
+CACHE=${NEMOTRON_SPEC_CACHE:-$PWD/.cache/nemotron-spec}
+export NEMOTRON_SPEC_CACHE="$CACHE"
 if [ "${1:-}" = "--prepare" ]; then
   exec "$PYTHON" -m tests.gpu.drafts
 fi

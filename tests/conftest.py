@@ -23,14 +23,14 @@ for _key, _value in {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_NEMOTRON_SPEC_CACHE": str(_WORK_CACHE / "nemotron-spec"),
+    "NEMOTRON_SPEC_CACHE": str(_WORK_CACHE / "nemotron-spec"),
     "VLLM_CACHE_ROOT": str(_WORK_CACHE / "vllm"),
     "TORCHINDUCTOR_CACHE_DIR": str(_WORK_CACHE / "torchinductor"),
     "HF_HOME": str(_WORK_CACHE / "hf"),
 }.items():
     os.environ.setdefault(_key, _value)
 
-SLOW_ENV = "VLLM_NEMOTRON_SPEC_SLOW_TESTS"
+SLOW_ENV = "NEMOTRON_SPEC_SLOW_TESTS"
 
 
 def pytest_configure(config):
@@ -49,19 +49,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-SEED_ENV = "VLLM_NEMOTRON_SPEC_TEST_SEED"
+SEED_ENV = "NEMOTRON_SPEC_TEST_SEED"
 
 
 @pytest.fixture(scope="session")
 def tiny_seed() -> int:
-    """The seed of the session's tiny family: ``$VLLM_NEMOTRON_SPEC_TEST_SEED``, default 0."""
+    """The seed of the session's tiny family: ``$NEMOTRON_SPEC_TEST_SEED``, default 0."""
     return int(os.environ.get(SEED_ENV, "0"))
 
 
 @pytest.fixture(scope="session")
 def tiny_family(tiny_seed):
     """The tiny family of seed ``tiny_seed`` (the suite must pass for any), built once into the
-    cache ``$VLLM_NEMOTRON_SPEC_CACHE`` and reused by later sessions. Treat its files as
+    cache ``$NEMOTRON_SPEC_CACHE`` and reused by later sessions. Treat its files as
     read-only."""
     from vllm_nemotron_spec.tiny.build import ensure_tiny_family
 

@@ -152,7 +152,8 @@ def test_histogram_from_counters():
 
 def metrics_text(model="m", drafts=0, draft_tokens=0, accepted=0, per_pos=(), engines=("0",)):
     """A /metrics page as vLLM's prometheus_client writes it (HELP/TYPE, _total, _created)."""
-    prometheus_client = pytest.importorskip("prometheus_client")
+    import prometheus_client  # a dependency of vLLM
+
     registry = prometheus_client.CollectorRegistry()
     labels = ["model_name", "engine"]
     made = {}
@@ -319,7 +320,6 @@ def test_format_report():
 
 
 def test_plot_report(tmp_path):
-    pytest.importorskip("matplotlib")
     path = bench.plot_report(fake_report(), tmp_path / "sub" / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     empty = fake_report()
@@ -632,11 +632,13 @@ def assert_acceptance_consistent(r: dict, stats: RunStats) -> None:
     assert r["mean_acceptance_length"] == pytest.approx(
         1 + r["num_accepted_tokens"] / r["num_drafts"], abs=1e-4
     )
-    rates = r["per_position_acceptance"]
-    assert len(rates) == k and all(0.0 <= x <= 1.0 for x in rates)
-    assert rates == sorted(rates, reverse=True)  # position p is accepted only after p-1
     hist = r["acceptance_histogram"]
     assert len(hist) == k + 1 and sum(hist) == r["num_drafts"]
+    # Position p is accepted in the steps that accepted more than p drafts: the rates from
+    # vLLM's per-position counters against its per-request histograms.
+    assert r["per_position_acceptance"] == [
+        round(sum(hist[p + 1 :]) / r["num_drafts"], 4) for p in range(k)
+    ]
     assert sum(a * n for a, n in enumerate(hist)) == r["num_accepted_tokens"]
     # vLLM's per-request histograms agree with the one derived from its per-position counters.
     assert r["acceptance_histogram_source"] == "per_request_metrics"

@@ -142,3 +142,21 @@ def test_one_http_client():
         if any(word in f.read_text("utf-8") for word in ("urllib.request", "http.client"))
     )
     assert users == [f"{NAME}.bench.client"]
+
+
+CHECKPOINT_STEPS = ("layout", "spec", "headers", "check", "inspect")
+"""The checkpoint package in reading order: the layout, parse (spec), read (headers), check,
+report (inspect)."""
+
+
+def test_the_checkpoint_package_reads_in_one_direction():
+    """Each checkpoint module imports only the steps before it, and only the ``inspect`` command
+    imports the report: the runtime (target hook, draft models, proposers) and ``quantize`` use
+    the check."""
+    graph = import_graph()
+    steps = [f"{NAME}.checkpoint.{step}" for step in CHECKPOINT_STEPS]
+    for i, module in enumerate(steps):
+        later = graph[module] & set(steps[i + 1 :])
+        assert not later, f"{module} imports the later step(s) {sorted(later)}"
+    report = f"{NAME}.checkpoint.inspect"
+    assert sorted(m for m, deps in graph.items() if report in deps) == [f"{NAME}.cli.inspect"]

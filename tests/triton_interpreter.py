@@ -20,25 +20,23 @@ import torch
 CUDA = torch.cuda.is_available()
 INTERPRETED = not CUDA and os.environ.get("TRITON_INTERPRET") == "1"
 RUN_KERNELS = CUDA or INTERPRETED
-kernel_test = pytest.mark.skipif(
-    not RUN_KERNELS,
-    reason="CPU: run in the child process of test_kernel_tests_in_triton_interpreter",
-)
+KERNEL_TEST_SKIP = "CPU: run in the child process of test_kernel_tests_in_triton_interpreter"
+kernel_test = pytest.mark.skipif(not RUN_KERNELS, reason=KERNEL_TEST_SKIP)
 in_parent_only = pytest.mark.skipif(RUN_KERNELS, reason="the kernel tests run in this process")
 
 
 def run_module_in_interpreter(test_file: str) -> None:
-    """Run ``test_file`` in a child pytest with TRITON_INTERPRET=1; assert its tests passed."""
+    """Run ``test_file`` in a child pytest with TRITON_INTERPRET=1; assert its tests passed and
+    that it ran every kernel test (none skipped as if it were the parent)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(test_file))],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(test_file)]
+    proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "failed" not in summary and "error" not in summary, tail
+    assert KERNEL_TEST_SKIP not in proc.stdout, f"the interpreter run skipped kernel tests:\n{tail}"
 
 
 def nvidia_backend() -> bool:
@@ -46,6 +44,6 @@ def nvidia_backend() -> bool:
     try:
         import triton.backends.nvidia  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
-    except Exception:
+    except ImportError:
         return False
     return not INTERPRETED

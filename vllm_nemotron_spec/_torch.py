@@ -5,6 +5,15 @@ from __future__ import annotations
 import contextlib
 
 
+def _set_num_threads(num_threads: int) -> None:
+    """``torch.set_num_threads``, also after vLLM's in-process CPU worker replaced it with a stub
+    that only warns (the worker binds its OpenMP threads when it starts): the build steps run
+    between engines and restore the caller's count, and their results depend on it."""
+    import torch
+
+    torch._C.set_num_threads(num_threads)
+
+
 @contextlib.contextmanager
 def deterministic_torch(num_threads: int = 1):
     """Fixed intra-op thread count and deterministic algorithms for the duration of a build step;
@@ -19,12 +28,12 @@ def deterministic_torch(num_threads: int = 1):
     threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
     rng = torch.get_rng_state()
-    torch.set_num_threads(num_threads)
+    _set_num_threads(num_threads)
     torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        _set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
         torch.set_rng_state(rng)
 
@@ -35,8 +44,8 @@ def torch_threads(num_threads: int = 1):
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
+    _set_num_threads(num_threads)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        _set_num_threads(threads)

@@ -2,9 +2,10 @@
 
 vLLM runs it once from ``VllmConfig.__post_init__`` (chained after vLLM's own NemotronH entry by
 ``patches/nemotron_h_config_hook.py``), before any scheduler or worker reads the config. It checks
-a Nemotron 3.5 draft as a whole, as ``inspect`` does, and routes it to the plugin's draft classes;
-refuses features whose exactness needs a patch that is not installed; and chooses the attention
-backends. Other drafts and other target architectures keep vLLM's path.
+a Nemotron 3.5 draft as a whole (``checkpoint.check``, whose problems ``inspect`` reports too) and
+routes it to the plugin's draft classes; refuses features whose exactness needs a patch that is
+not installed; and chooses the attention backends. Other drafts and other target architectures
+keep vLLM's path.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ WEIGHTS_CHECKED_ATTR = "nemotron_spec_weights_checked"
 headers were checked at start-up; absent: the draft model checks them at load time."""
 
 
-def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
-    """Validate a Nemotron 3.5 draft and route it to our class; returns the inspection report,
-    or None when there is no DFlash/DSpark draft with the Nemotron 3.5 layout.
+def check_and_route_nemotron35_draft(vllm_config: Any):
+    """Validate a Nemotron 3.5 draft and route it to our class; returns the check
+    (:class:`~vllm_nemotron_spec.checkpoint.check.DraftCheck`), or None when there is no
+    DFlash/DSpark draft with the Nemotron 3.5 layout.
 
     Whether a draft has the layout is decided from its config alone (vLLM has fetched it before
     the hook runs). The target's facts come from the ``hf_config`` vLLM loaded. Tensor headers are
@@ -47,10 +49,7 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
     One log line says what was checked and from where."""
     from vllm.logger import init_logger
 
-    from vllm_nemotron_spec.checkpoint.inspect import (
-        inspect_checkpoint,
-        vllm_draft_config,
-    )
+    from vllm_nemotron_spec.checkpoint.check import check_draft, vllm_draft_config
     from vllm_nemotron_spec.checkpoint.spec import (
         DraftSpecError,
         is_nemotron35_draft_config,
@@ -65,37 +64,30 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
         return None
     require_registrations(spec_config, cfg)
     revision = getattr(draft_config, "revision", None)
-    report = inspect_checkpoint(
+    checked = check_draft(
         draft_config.model,
         target=vllm_config.model_config.model,
         num_speculative_tokens=spec_config.num_speculative_tokens,
         revision=revision,
         draft_config=cfg,
         target_config=vllm_config.model_config.hf_config,
+        method=spec_config.method,
     )
-    problems = list(report["problems"])
-    if report.get("method") is not None and report["method"] != spec_config.method:
-        problems.append(
-            f'speculative_config.method is "{spec_config.method}" but the draft '
-            f"{draft_config.model} is a {report['method']} checkpoint "
-            f"(architecture {report['architecture']}): use "
-            f'{{"method": "{report["method"]}", ...}}'
-        )
-    if problems:
-        raise DraftSpecError(problems, source=f"Nemotron 3.5 draft {draft_config.model}")
+    if checked.problems:
+        raise DraftSpecError(checked.problems, source=f"Nemotron 3.5 draft {draft_config.model}")
     if spec_config.method == "dspark":
         drop_nested_sample_from_anchor(draft_config.hf_config)
     arch = NEMOTRON35_DRAFT_ARCHITECTURES.get(spec_config.method)
     if arch is not None and draft_config.hf_config.architectures != [arch]:
         draft_config.hf_config.architectures = [arch]
         spec_config.update_arch_()
-    if report["weights_deferred"]:
-        weights = f"tensor headers deferred to load time ({report['weights_checked']})"
+    if checked.weights.scan is None:
+        weights = f"tensor headers deferred to load time ({checked.weights.where})"
     else:
-        setattr(draft_config.hf_config, WEIGHTS_CHECKED_ATTR, report["weights_checked"])
+        setattr(draft_config.hf_config, WEIGHTS_CHECKED_ATTR, checked.weights.where)
         weights = (
-            f"{report['checkpoint']['num_tensors']} tensor headers checked at start-up "
-            f"from {report['weights_checked']}"
+            f"{len(checked.weights.scan.tensors)} tensor headers checked at start-up "
+            f"from {checked.weights.where}"
         )
     init_logger(LOGGER_NAME).info(
         "nemotron-spec: %s draft %s%s has the Nemotron 3.5 layout (%s, %d drafted tokens, "
@@ -104,14 +96,14 @@ def check_and_route_nemotron35_draft(vllm_config: Any) -> dict | None:
         spec_config.method,
         draft_config.model,
         f"@{revision}" if revision else "",
-        report["architecture"],
+        checked.spec.architecture,
         spec_config.num_speculative_tokens,
-        report["sample_from_anchor"],
-        report["target_blocks"],
+        checked.spec.sample_from_anchor,
+        checked.target_blocks,
         weights,
         arch or "vLLM's own",
     )
-    return report
+    return checked
 
 
 def checked_weights(spec: Any, draft_model_config: Any, weights):
@@ -135,12 +127,12 @@ def check_draft_weights_at_load(spec: Any, draft_model_config: Any) -> None:
     :func:`checked_weights`); a warning says so when no file can be found."""
     from vllm.logger import init_logger
 
-    from vllm_nemotron_spec.checkpoint.headers import draft_headers
-    from vllm_nemotron_spec.checkpoint.inspect import tensor_problems
+    from vllm_nemotron_spec.checkpoint.check import check_downloaded_weights
     from vllm_nemotron_spec.checkpoint.spec import DraftSpecError
 
     model = draft_model_config.model
-    source = draft_headers(model, getattr(draft_model_config, "revision", None), hub=False)
+    revision = getattr(draft_model_config, "revision", None)
+    source, problems = check_downloaded_weights(spec, model, revision)
     logger = init_logger(LOGGER_NAME)
     if source.scan is None or not source.scan.files:
         logger.warning(
@@ -150,8 +142,6 @@ def check_draft_weights_at_load(spec: Any, draft_model_config: Any) -> None:
             source.where,
         )
         return
-    problems = [f"draft weights: {p}" for p in source.scan.problems]
-    problems += tensor_problems(spec, source.scan)[1]
     if problems:
         raise DraftSpecError(problems, source=f"Nemotron 3.5 draft {model}")
     logger.info(

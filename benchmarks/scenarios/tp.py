@@ -1,7 +1,7 @@
 """tp: the DFlash and DSpark paths under tensor parallelism, lossless and with their acceptance.
 
 The tiny family's NemotronH target plain and with its trained NVFP4 DFlash and DSpark drafts
-(``tiny/``, from ``$VLLM_NEMOTRON_SPEC_CACHE``: carry ``.cache/nemotron-spec`` to the GPU
+(``tiny/``, from ``$NEMOTRON_SPEC_CACHE``: carry ``.cache/nemotron-spec`` to the GPU
 machine), at tensor_parallel_size 1 and ``--tp N``, in this process with the plugin loaded.
 Recorded per run: lossless (greedy tokens equal to plain decoding AT THE SAME TP size: bf16 TP
 changes the order of the all-reduce's sums, so plain at TP=N may differ from TP=1, reported

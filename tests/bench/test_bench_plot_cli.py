@@ -101,10 +101,7 @@ def test_failing_plot_keeps_the_printed_results(monkeypatch, capsys, tmp_path):
 def test_plot_labels_every_length_and_k(tmp_path, monkeypatch):
     """The histogram's x axis names every acceptance length 1..K+1; legends carry K; the speed
     panel lists every timed method."""
-    import pytest
-
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the test extra
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)

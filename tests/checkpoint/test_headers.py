@@ -9,9 +9,9 @@ import pytest
 
 from tests import draft_configs as dc
 from vllm_nemotron_spec.checkpoint import headers
+from vllm_nemotron_spec.checkpoint.check import check_tensors
 from vllm_nemotron_spec.checkpoint.headers import (
     CheckpointError,
-    check_tensors,
     read_checkpoint,
     read_safetensors_header,
     scan_checkpoint,

@@ -32,6 +32,11 @@ MIN_MEAN_ACCEPTANCE_LENGTH = 2.5
 # offline in the layout it was trained for. 1.3 leaves room for retraining noise and is far
 # below any working draft.
 MAX_SHIFTED_MEAN_ACCEPTANCE_LENGTH = 1.3
+# Every drafted position of the trained draft is accepted in at least this share of the steps:
+# a query row read one position off (the shifted layout) is accepted in at most 0.071 of them, so
+# a layout wrong at any one position fails here even when the mean stays above its floor. The
+# trained draft here: 0.91, 0.71, 0.61, 0.50 (seed 0; on the H200's tiny family 0.88 .. 0.39).
+MIN_PER_POSITION_ACCEPTANCE = 0.2
 
 
 @pytest.fixture(scope="module")
@@ -158,12 +163,15 @@ def test_dflash_mean_acceptance_length(results):
     assert c.num_draft_tokens == NUM_SPECULATIVE_TOKENS * c.num_drafts
     assert len(c.accepted_per_position) == NUM_SPECULATIVE_TOKENS
     assert sum(c.accepted_per_position) == c.num_accepted_tokens
-    rates = c.per_position_acceptance
+    rates = [round(r, 3) for r in c.per_position_acceptance]
     assert c.mean_acceptance_length >= MIN_MEAN_ACCEPTANCE_LENGTH, (
         f"mean acceptance length {c.mean_acceptance_length:.3f} < {MIN_MEAN_ACCEPTANCE_LENGTH} "
-        f"(per position {[round(r, 3) for r in rates]}, {c.num_drafts} drafts)"
+        f"(per position {rates}, {c.num_drafts} drafts)"
     )
-    assert rates == sorted(rates, reverse=True)  # position k needs positions < k accepted
+    assert min(rates) >= MIN_PER_POSITION_ACCEPTANCE, (
+        f"a drafted position is accepted in fewer than {MIN_PER_POSITION_ACCEPTANCE} of the steps: "
+        f"per position {rates} ({c.num_drafts} drafts)"
+    )
 
 
 def test_shifted_layout_is_lossless_but_rejected(results, prompts):

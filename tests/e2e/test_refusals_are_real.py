@@ -16,7 +16,7 @@ import types
 import pytest
 
 from vllm_nemotron_spec import runs, target_hook
-from vllm_nemotron_spec.checkpoint import headers
+from vllm_nemotron_spec.checkpoint import check
 from vllm_nemotron_spec.checkpoint import spec as spec_module
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 
@@ -62,9 +62,7 @@ def test_a_refused_fc_shape_fails_loading_without_the_check_too(
         runs.make_llm(str(tiny_family.target), spec)  # vLLM wraps it in its config error
     # Without the header check (it finds nothing), loading fails on it anyway, later: the
     # tensor cannot fill the module the config describes.
-    monkeypatch.setattr(
-        headers, "check_tensors", lambda spec, tensors: headers.TensorCheck((), (), ())
-    )
+    monkeypatch.setattr(check, "check_tensors", lambda spec, tensors: check.TensorCheck((), (), ()))
     with pytest.raises(Exception) as info:
         runs.make_llm(str(tiny_family.target), spec)
     assert "Nemotron 3.5 draft" not in str(info.value)

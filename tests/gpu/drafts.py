@@ -25,7 +25,7 @@ from vllm_nemotron_spec.checkpoint.layout import DFLASH, DSPARK
 
 REPO = Path(__file__).resolve().parents[2]
 
-CACHE_ENVS = ("NEMOTRON_SPEC_CACHE", "VLLM_NEMOTRON_SPEC_CACHE")
+CACHE_ENVS = ("NEMOTRON_SPEC_CACHE",)
 """The cache directory's environment variable, new name first (the package reads one of them)."""
 
 

@@ -15,13 +15,11 @@ logits are exact and the lowest index must win.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-import os
+import io
 import re
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +27,6 @@ import torch
 from tests.nvfp4_bytes import raw_nvfp4
 from tests.triton_interpreter import (
     CUDA,
-    INTERPRETED,
     in_parent_only,
     kernel_test,
     nvidia_backend,
@@ -42,17 +39,13 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 _MODULE = "vllm_nemotron_spec.kernels.markov"
 
 
-pytest.importorskip("triton")
+pytest.importorskip("triton", reason="Triton is not installed here (a GPU dependency of vLLM)")
 mk = importlib.import_module(_MODULE)
 
 
 @in_parent_only
 def test_kernel_tests_in_triton_interpreter():
     run_module_in_interpreter(__file__)
-
-
-def test_interpreter_state():
-    assert mk.interpreting() == INTERPRETED
 
 
 U_FP32 = 2.0**-24
@@ -453,31 +446,48 @@ def _sm90_build(batch: int, rank: int, cfg, write_logits: bool, prev_from_parts:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def _ptxas_report(batch: int, write_logits: bool, prev_from_parts: bool) -> str:
+    """The sm_90 build of the shipped default config for ``batch`` rows (rank 512), compiled
+    afresh, and what ptxas reports about it (``-v``: registers, stack frame, spill stores)."""
+    from triton import knobs
+
+    out = io.StringIO()
+    with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(out):
+        knobs.compilation.always_compile = True  # a cached build would run no ptxas
+        knobs.nvidia.dump_ptxas_log = True
+        kernel = _sm90_build(
+            batch, 512, mk.default_config(batch, 512), write_logits, prev_from_parts
+        )
+    assert "cubin" in kernel.asm
+    return out.getvalue()
+
+
+def _reports_ptxas_log() -> bool:
+    try:
+        from triton import knobs
+
+        return hasattr(knobs.nvidia, "dump_ptxas_log")
+    except ImportError:
+        return False
+
+
 @pytest.mark.skipif(not nvidia_backend(), reason="needs Triton's NVIDIA backend (not interpreted)")
-@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.skipif(
+    not _reports_ptxas_log(),
+    reason="this Triton cannot print ptxas' report (TRITON_DUMP_PTXAS_LOG)",
+)
+@pytest.mark.parametrize("batch", [1, 2, 32])
 @pytest.mark.parametrize("write_logits", [False, True])
-def test_kernel_builds_for_sm90_without_spills(batch, write_logits):
-    """The default configs compile for the H200 (sm_90) with this Triton. The greedy walk (the
-    draft's hot path) must not spill registers; writing the logits too (sampled drafts) may spill
-    a few bytes (batch 1: 24 with Triton 3.9; Triton 3.6, the H200's, spills a little at batch
-    32). The one-chunk configs of batch 2..32 spill a little and were still the fastest on the
-    H200: their 128-byte-chunk siblings are built instead."""
-    cuobjdump = Path(sys.modules["triton"].__file__).parent / "backends/nvidia/bin/cuobjdump"
+def test_default_config_builds_for_sm90_without_spills(batch, write_logits):
+    """The default configs (batch 1: 64-byte chunks; batch 2..16 and 32: one chunk over the rank)
+    compile for the H200 (sm_90) with this Triton, and the compiler's own report counts their
+    register spills: none for the greedy walk (the draft's hot path); writing the logits too
+    (sampled drafts) may spill a few bytes (Triton 3.9: 24-28 at batch 1, 52-56 at batch 32)."""
     for prev_from_parts in (False, True):
-        config = mk.default_config(batch, 512)
-        if config.block_k == 256:
-            config = replace(config, block_k=128)
-        kernel = _sm90_build(batch, 512, config, write_logits, prev_from_parts)
-        assert "cubin" in kernel.asm
-        if cuobjdump.exists():
-            cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"markov_sm90_{os.getpid()}.cubin"
-            cubin.write_bytes(kernel.asm["cubin"])
-            usage = subprocess.run(
-                [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True
-            ).stdout
-            cubin.unlink()
-            stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-            assert stack <= (64 if write_logits else 0), usage  # local-memory spills
+        report = _ptxas_report(batch, write_logits, prev_from_parts)
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", report)]
+        assert spills, f"no spill count in ptxas' report:\n{report}"
+        assert max(spills) <= (64 if write_logits else 0), report
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA: the real-size tensor-core path")

@@ -1,6 +1,6 @@
 """The tiny drafts' quantization configs (vllm_nemotron_spec.tiny.drafts) against this config: every
 linear the tiny checkpoint stores as NVFP4 gets the NVFP4 method, every other linear stays BF16,
-under the module paths vLLM builds. Skipped while the tiny-draft schema is not there."""
+under the module paths vLLM builds."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 
 from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.nvfp4 import config as nvcfg
-
-drafts = pytest.importorskip("vllm_nemotron_spec.tiny.drafts")
+from vllm_nemotron_spec.tiny import drafts
 
 
 def _draft_config(kind: str) -> dict:

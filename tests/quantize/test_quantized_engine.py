@@ -89,21 +89,21 @@ def quantized(request, tiny_family, prompts):
         draft, expected = request.getfixturevalue("modelopt_dflash"), NAME
     else:
         draft, expected = request.getfixturevalue("ct_dflash"), ct.NAME
-        _skip_unless_startup_check_knows_compressed_tensors(draft)
+        _assert_startup_check_accepts(draft)
     return request.param, _run(tiny_family, prompts, request.param, draft), expected
 
 
-def _skip_unless_startup_check_knows_compressed_tensors(draft) -> None:
-    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
+def _assert_startup_check_accepts(draft) -> None:
+    """The plugin's start-up check (``checkpoint.check``) lets the compressed-tensors draft through
+    to vLLM (its tensor layout is not checked there; the quantization config itself is tested in
+    test_compressed_tensors.py)."""
+    from vllm_nemotron_spec.checkpoint.check import check_draft
 
-    problems = inspect_checkpoint(str(draft))["problems"]
-    if problems:
-        pytest.skip(
-            "the plugin's start-up check (checkpoint.check_tensors) does not know the "
-            "compressed-tensors layout and refuses the draft before vLLM loads it "
-            f"({len(problems)} problems, e.g. {problems[0]!r}); the quantization config itself "
-            "is tested in test_compressed_tensors.py"
-        )
+    problems = check_draft(str(draft)).problems
+    assert not problems, (
+        f"the start-up check refuses the compressed-tensors draft ({len(problems)} problems, "
+        f"e.g. {problems[0]!r})"
+    )
 
 
 def _same_tokens(prompts, expected, got, name):

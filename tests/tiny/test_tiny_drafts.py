@@ -233,7 +233,6 @@ def test_transformers_reads_config(tiny_family, kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_vllm_modelopt_accepts_quantization_config(tiny_family, kind):
-    pytest.importorskip("vllm")
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
     q = _config(tiny_family, kind)["quantization_config"]

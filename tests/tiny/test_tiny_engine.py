@@ -46,7 +46,6 @@ def _long_prompt(tok, min_tokens: int) -> str:
 
 @pytest.fixture(scope="module")
 def llm(tiny_family):
-    pytest.importorskip("vllm")
     from vllm import LLM
 
     engine = LLM(

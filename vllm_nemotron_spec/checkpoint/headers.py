@@ -1,9 +1,11 @@
-"""A draft checkpoint's tensors, from safetensors headers only, checked against its DraftSpec.
+"""Read a draft checkpoint without loading a weight: its config files and safetensors headers.
 
-No weight is read: only each file's JSON header (names, dtypes, shapes, data offsets), with the
-shards listed in ``model.safetensors.index.json``. :func:`check_tensors` compares every tensor
-with the layout the spec implies: NVFP4 modules packed as :mod:`vllm_nemotron_spec.nvfp4.format`
-describes, modules excluded from quantization at their logical shape.
+From a local directory (or its config.json), a snapshot in the Hugging Face cache, or the Hub
+(config files downloaded, tensor headers from its safetensors metadata: header byte ranges only).
+Of each safetensors file only the JSON header is read (names, dtypes, shapes, data offsets),
+with the shards listed in ``model.safetensors.index.json``; what the file itself gets wrong
+(truncation, overlaps, a bad index) is reported here. Checking the tensors against the draft's
+config is ``checkpoint.check``'s.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
+from vllm_nemotron_spec.checkpoint.spec import DraftSpecError, read_config_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -69,33 +71,6 @@ class CheckpointScan:
     files: tuple[str, ...]
     index: str | None
     tensors: dict[str, TensorInfo]
-    problems: tuple[str, ...]
-    warnings: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ModuleCheck:
-    """One module (linear layer) or tensor of the draft: what the spec expects, what was found."""
-
-    name: str  # module ("layers.0.mlp.up_proj") or tensor ("norm.weight")
-    format: str  # "nvfp4", "dense" or "unchecked" (a quantization this package does not know)
-    logical_shape: tuple[int, ...]
-    packed_shape: tuple[int, ...] | None = None  # NVFP4: stored uint8 weight
-    scale_shape: tuple[int, ...] | None = None  # NVFP4: float8 block scales
-    found_dtype: str | None = None  # of the weight tensor, when the checkpoint was read
-    found_shape: tuple[int, ...] | None = None
-    ok: bool = True
-    truncated: bool = False  # a tensor of it lies past the end of a truncated file
-
-    @property
-    def group(self) -> str:
-        """The name with layer indices replaced by ``*`` (for grouping the 6 layers)."""
-        return re.sub(r"(^|\.)layers\.\d+\.", r"\1layers.*.", self.name)
-
-
-@dataclass(frozen=True)
-class TensorCheck:
-    modules: tuple[ModuleCheck, ...]
     problems: tuple[str, ...]
     warnings: tuple[str, ...]
 
@@ -177,7 +152,7 @@ def _read_header(path: str, label: str, problems: list[str]) -> dict[str, Tensor
         problems.append(
             f"{label}: truncated: the file has {size} bytes but its header describes "
             f"{8 + length + described} ({8 + length + described - size} missing); "
-            f"{len(past)} tensor(s) lie past its end: {_names(past)}"
+            f"{len(past)} tensor(s) lie past its end: {name_list(past)}"
         )
     tensors: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
@@ -341,7 +316,7 @@ def scan_checkpoint(directory: str) -> CheckpointScan:
         if unlisted:
             warnings.append(
                 f"{len(unlisted)} tensor(s) in the shards are not listed in {INDEX_FILE}: "
-                + _names(unlisted)
+                + name_list(unlisted)
             )
     return CheckpointScan(directory, tuple(files), index, tensors, tuple(problems), tuple(warnings))
 
@@ -381,190 +356,10 @@ def _read_index(path: str, problems: list[str]) -> dict[str, str]:
     return good
 
 
-def _names(names: list[str], limit: int = 8) -> str:
+def name_list(names: list[str], limit: int = 8) -> str:
+    """The first ``limit`` names, quoted, and how many more (for one-line problems)."""
     shown = ", ".join(f"`{n}`" for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-# --------------------------------------------------------------------------------------------
-# Checking tensors against the spec.
-
-
-def _layout_checked(spec: DraftSpec) -> bool:
-    """Whether this package knows the stored layout of the spec's quantization."""
-    return spec.quant_method in (None, "modelopt") and (spec.quant_algo is None or spec.is_nvfp4)
-
-
-def expected_modules(spec: DraftSpec) -> tuple[ModuleCheck, ...]:
-    """The modules and tensors the spec implies, with their expected storage (nothing read)."""
-    from vllm_nemotron_spec.nvfp4 import format as nvfp4
-
-    known = _layout_checked(spec)
-    out = []
-    for name, logical in spec.linear_modules():
-        if not known:
-            out.append(ModuleCheck(name, "unchecked", logical))
-        elif spec.is_nvfp4 and spec.is_quantized(name):
-            out.append(
-                ModuleCheck(
-                    name, "nvfp4", logical, nvfp4.packed_shape(logical), nvfp4.scale_shape(logical)
-                )
-            )
-        else:
-            out.append(ModuleCheck(name, "dense", logical))
-    for name, shape in spec.dense_tensors():
-        out.append(ModuleCheck(name, "dense", shape))
-    return tuple(out)
-
-
-def check_tensors(spec: DraftSpec, tensors: dict[str, TensorInfo]) -> TensorCheck:
-    """Compare the checkpoint's tensors with the layout ``spec`` implies (see module doc)."""
-    from vllm_nemotron_spec.nvfp4 import format as nvfp4
-
-    problems: list[str] = []
-    warnings: list[str] = []
-    used: set[str] = set()
-
-    def find(name: str) -> TensorInfo | None:
-        for key in (name, f"model.{name}"):
-            if key in tensors:
-                used.add(key)
-                return tensors[key]
-        return None
-
-    why_dense = (
-        "the config has no quantization_config"
-        if spec.quant_algo is None
-        else "quantization_config excludes it"
-    )
-    linear = {name for name, _ in spec.linear_modules()}
-    modules: list[ModuleCheck] = []
-    for expected in expected_modules(spec):
-        before = len(problems)
-        name = expected.name
-        is_linear = name in linear
-        weight_name = f"{name}.weight" if is_linear else name
-        weight = find(weight_name)
-        scales = {
-            s: find(f"{name}.{s}") if is_linear else None
-            for s in ("weight_scale", "weight_scale_2", "input_scale")
-        }
-        logical = expected.logical_shape
-        if expected.format == "nvfp4":
-            packed, scale = expected.packed_shape, expected.scale_shape
-            if weight is None:
-                problems.append(
-                    f"`{weight_name}`: missing (NVFP4 module: expected uint8 {list(packed)} for "
-                    f"logical {list(logical)})"
-                )
-            elif weight.dtype != "U8" or weight.shape != packed:
-                if weight.dtype in FLOAT_DTYPES and weight.shape == logical:
-                    problems.append(
-                        f"`{weight_name}`: found {weight.dtype} {list(weight.shape)} (unquantized) "
-                        f"but quantization_config ({spec.quant_algo}) does not exclude `{name}`: "
-                        f"expected NVFP4 uint8 {list(packed)} (logical {list(logical)})"
-                    )
-                else:
-                    problems.append(
-                        f"`{weight_name}`: found {weight.dtype} {list(weight.shape)}, expected "
-                        f"NVFP4 uint8 {list(packed)} (logical {list(logical)}, two E2M1 codes "
-                        "per byte)"
-                    )
-            s1 = scales["weight_scale"]
-            if s1 is None:
-                problems.append(
-                    f"`{name}.weight_scale`: missing (expected F8_E4M3 {list(scale)}, "
-                    f"one scale per 16 inputs of logical {list(logical)})"
-                )
-            elif s1.dtype != "F8_E4M3" or s1.shape != scale:
-                problems.append(
-                    f"`{name}.weight_scale`: found {s1.dtype} {list(s1.shape)}, expected F8_E4M3 "
-                    f"{list(scale)} (one scale per 16 inputs of logical {list(logical)}; packed "
-                    f"weight {list(packed)})"
-                )
-            for key, required in (("weight_scale_2", True), ("input_scale", False)):
-                t = scales[key]
-                if t is None:
-                    if required:
-                        problems.append(
-                            f"`{name}.{key}`: missing (expected a float32 scalar, the global scale)"
-                        )
-                elif t.dtype != "F32" or t.shape not in ((), (1,)):
-                    problems.append(
-                        f"`{name}.{key}`: found {t.dtype} {list(t.shape)}, expected a "
-                        "float32 scalar"
-                    )
-        elif expected.format == "dense":
-            if weight is None:
-                problems.append(f"`{weight_name}`: missing (expected {list(logical)})")
-            elif weight.dtype not in FLOAT_DTYPES:
-                hint = ""
-                if is_linear and weight.dtype == "U8":
-                    try:
-                        looks_packed = weight.shape == nvfp4.packed_shape(logical)
-                    except ValueError:
-                        looks_packed = False
-                    if looks_packed:
-                        pattern = spec.exclusion_pattern(name)
-                        hint = f"; it looks NVFP4-packed, but {why_dense}" + (
-                            f" (pattern {pattern!r})" if pattern else ""
-                        )
-                problems.append(
-                    f"`{weight_name}`: found {weight.dtype} {list(weight.shape)}, expected an "
-                    f"unquantized (BF16) tensor {list(logical)}{hint}"
-                )
-            elif weight.shape != logical:
-                problems.append(
-                    f"`{weight_name}`: found {weight.dtype} {list(weight.shape)}, "
-                    f"expected shape {list(logical)}"
-                )
-            for key, t in scales.items():
-                if t is not None:
-                    problems.append(
-                        f"`{name}.{key}`: present, but `{name}` is stored unquantized ({why_dense})"
-                    )
-        else:  # a quantization whose layout this package does not know
-            packed = find(f"{name}.weight_packed") if is_linear and weight is None else None
-            if packed is not None:  # compressed-tensors packs as weight_packed (+ its scales)
-                weight = packed
-                for extra in ("weight_global_scale", "weight_zero_point", "input_global_scale"):
-                    find(f"{name}.{extra}")
-            elif weight is None:
-                problems.append(f"`{weight_name}`: missing")
-        cut = any(x is not None and x.truncated for x in (weight, *scales.values()))
-        modules.append(
-            ModuleCheck(
-                name,
-                expected.format,
-                logical,
-                expected.packed_shape,
-                expected.scale_shape,
-                None if weight is None else weight.dtype,
-                None if weight is None else weight.shape,
-                ok=len(problems) == before and not cut,
-                truncated=cut,
-            )
-        )
-
-    for tensor, own, flag in (
-        ("embed_tokens.weight", spec.has_embed_tokens, "has_embed_tokens"),
-        ("lm_head.weight", spec.has_lm_head, "has_lm_head"),
-    ):
-        if own:
-            continue
-        present = [k for k in (tensor, f"model.{tensor}") if k in tensors]
-        if not present:
-            continue
-        used.update(present)
-        message = (
-            f"`{present[0]}` is in the checkpoint but `{flag}` is "
-            f"{'false' if spec.is_nemotron35 else 'not true'}: the draft uses the target's"
-        )
-        (problems if spec.is_nemotron35 else warnings).append(message)
-    unexpected = sorted(set(tensors) - used)
-    if unexpected:
-        warnings.append(f"{len(unexpected)} tensor(s) the draft does not use: {_names(unexpected)}")
-    return TensorCheck(tuple(modules), tuple(problems), tuple(warnings))
 
 
 # --------------------------------------------------------------------------------------------
@@ -663,7 +458,7 @@ def _directory_headers(directory: str, where: str) -> HeaderSource:
     if pickles and not weights_present(directory):
         return HeaderSource(
             None,
-            f"{where} holds PyTorch weights ({_names(pickles, 3)}), whose tensor headers cannot "
+            f"{where} holds PyTorch weights ({name_list(pickles, 3)}), whose tensor headers cannot "
             "be read without loading them",
         )
     return HeaderSource(scan_checkpoint(directory), where)
@@ -714,3 +509,64 @@ def _hub_headers(model: str, revision: str | None, at: str) -> HeaderSource:
         (),
     )
     return HeaderSource(scan, where)
+
+
+# --------------------------------------------------------------------------------------------
+# Config files: a local path, the Hugging Face cache, the Hub.
+
+
+def load_config(
+    model: str, what: str = "draft", revision: str | None = None, hub: bool = True
+) -> tuple[dict, str]:
+    """``model``'s config.json as a dict (with ModelOpt's ``hf_quant_config.json`` as its
+    ``quantization_config`` when the config has none) and the file read.
+
+    ``model`` is a local directory or JSON file, or a Hub id: read from the local cache at
+    ``revision``, else (``hub`` and not offline) downloaded (config files only). Raises
+    :class:`DraftSpecError` naming what is missing.
+    """
+    if not is_repo_id(model):
+        cfg, file = read_config_json(model, what)
+        quant = os.path.join(os.path.dirname(file), "hf_quant_config.json")
+        if "quantization_config" not in cfg and os.path.isfile(quant):
+            cfg = dict(cfg, quantization_config=read_config_json(quant, what)[0])
+        return cfg, file
+    file = _hub_file(model, "config.json", revision, hub)
+    if file is None:
+        from huggingface_hub import constants
+
+        at = f"{model}@{revision or 'main'}"
+        why = (
+            " and the Hub is off (HF_HUB_OFFLINE=1)"
+            if constants.HF_HUB_OFFLINE
+            else " and the Hub did not provide it (unknown repository or revision, no "
+            "access, or no connection)"
+            if hub
+            else ""
+        )
+        raise DraftSpecError(
+            f"{what} {at}: config.json is not in the local Hugging Face cache" + why
+        )
+    cfg, file = read_config_json(file, what)
+    if "quantization_config" not in cfg:
+        quant = _hub_file(model, "hf_quant_config.json", revision, hub)
+        if quant is not None:
+            cfg = dict(cfg, quantization_config=read_config_json(quant, what)[0])
+    return cfg, file
+
+
+def _hub_file(repo_id: str, filename: str, revision: str | None, hub: bool) -> str | None:
+    """A small file of a Hub repo: from the cache, else downloaded when the Hub is on."""
+    try:
+        from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    except ImportError:
+        return None
+    cached = try_to_load_from_cache(repo_id, filename, revision=revision)
+    if isinstance(cached, str):
+        return cached
+    if not hub or constants.HF_HUB_OFFLINE or cached is not None:  # cached: known absent
+        return None
+    try:
+        return hf_hub_download(repo_id, filename, revision=revision)
+    except Exception:  # absent file, unknown repo, unreachable Hub
+        return None

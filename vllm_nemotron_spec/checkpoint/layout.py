@@ -1,9 +1,11 @@
-"""The official Nemotron 3.5 DFlash / DSpark W4A16 NVFP4 draft layout, defined once.
+"""The DFlash / DSpark draft layout, defined once: the official Nemotron 3.5 W4A16 NVFP4 drafts'.
 
-Tensor names (no ``model.`` prefix), which linears are NVFP4, their packed and scale shapes, the
-group size, and the ModelOpt quantization config as NVIDIA's checkpoints carry them. Validation
-(``checkpoint.spec``, ``checkpoint.headers``), ``quantize`` and the tiny test family all read it
-from here. Pure Python: no torch.
+Tensor names (no ``model.`` prefix) and logical shapes of a draft from its sizes
+(:class:`DraftShape`: :func:`linear_modules`, :func:`dense_tensors`), which linears the official
+drafts store as NVFP4, their packed and scale shapes, the group size, and the ModelOpt
+quantization config as NVIDIA's checkpoints carry them. The config parse
+(``checkpoint.spec``), the tensor checks (``checkpoint.check``), ``quantize`` and the tiny test
+family all read it from here. Pure Python: no torch.
 
 NVFP4 module ``X``: ``X.weight`` uint8 ``[out, in/2]`` (two E2M1 codes a byte, element ``2j`` in
 the low nibble), ``X.weight_scale`` float8_e4m3fn ``[out, in/16]``, ``X.weight_scale_2`` float32
@@ -13,6 +15,7 @@ scalar (global). Everything else is BF16 at its logical shape.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 DFLASH = "dflash"
@@ -29,6 +32,12 @@ MODELOPT_VERSION = "0.47.0"
 CONFIG_FILE = "config.json"
 HF_QUANT_CONFIG_FILE = "hf_quant_config.json"
 WEIGHTS_FILE = "model.safetensors"
+
+FUSED_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+"""The linears vLLM fuses in the drafts' Qwen3 layers, and the checkpoint modules each loads."""
 
 # Suffixes of the three tensors of one NVFP4 module (plus the optional, ignored input_scale).
 NVFP4_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
@@ -117,17 +126,105 @@ def hf_quant_config(kind: str) -> dict:
     }
 
 
-def _dims(config: dict) -> dict:
-    return {
-        "H": config["hidden_size"],
-        "V": config["vocab_size"],
-        "L": config["num_hidden_layers"],
-        "nh": config["num_attention_heads"],
-        "nkv": config["num_key_value_heads"],
-        "hd": config["head_dim"],
-        "I": config["intermediate_size"],
-        "A": config["num_aux_layers"],
-    }
+@dataclass(frozen=True)
+class DraftShape:
+    """The sizes and options that fix a DFlash / DSpark draft's tensor names and shapes.
+
+    :func:`official_shape` gives the official layout's (own embedding, the target's lm_head,
+    attention sinks and a Markov head for DSpark); ``DraftSpec.draft_shape()`` any parsed
+    draft's."""
+
+    kind: str  # DFLASH or DSPARK
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_aux_layers: int
+    target_hidden_size: int | None = None  # fc input per aux layer; None: hidden_size
+    draft_vocab_size: int | None = None  # markov_w2 / lm_head rows; None: vocab_size
+    markov_rank: int | None = None  # DSpark's Markov head (none without a rank)
+    has_embed_tokens: bool = True
+    has_lm_head: bool = False
+    attention_bias: bool = False
+    has_attention_sinks: bool = False
+
+
+def official_shape(config: dict) -> DraftShape:
+    """The official layout's :class:`DraftShape` for a draft ``config.json`` dict."""
+    kind = draft_kind(config)
+    return DraftShape(
+        kind=kind,
+        hidden_size=config["hidden_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        num_aux_layers=config["num_aux_layers"],
+        markov_rank=config["markov_rank"] if kind == DSPARK else None,
+        has_attention_sinks=kind == DSPARK,
+    )
+
+
+def linear_modules(shape: DraftShape) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """Module names and logical ``[out, in]`` shapes of every linear layer (the modules that may
+    be stored NVFP4), in checkpoint order: fc, each layer's attention and MLP projections, the
+    Markov head's ``markov_w2``, an own lm_head."""
+    h, hd = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
+    inter = shape.intermediate_size
+    rows = shape.draft_vocab_size or shape.vocab_size
+    mods = [("fc", (h, shape.num_aux_layers * (shape.target_hidden_size or h)))]
+    for i in range(shape.num_hidden_layers):
+        p = f"layers.{i}."
+        mods += [
+            (p + "self_attn.q_proj", (q, h)),
+            (p + "self_attn.k_proj", (kv, h)),
+            (p + "self_attn.v_proj", (kv, h)),
+            (p + "self_attn.o_proj", (h, q)),
+            (p + "mlp.gate_proj", (inter, h)),
+            (p + "mlp.up_proj", (inter, h)),
+            (p + "mlp.down_proj", (h, inter)),
+        ]
+    if shape.kind == DSPARK and shape.markov_rank is not None:
+        mods.append(("markov_head.markov_w2", (rows, shape.markov_rank)))
+    if shape.has_lm_head:
+        mods.append(("lm_head", (rows, h)))
+    return tuple(mods)
+
+
+def dense_tensors(shape: DraftShape) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Names and shapes of the tensors that are never quantized (embedding, norms, biases,
+    sinks, ``markov_w1``), in checkpoint order."""
+    h, hd = shape.hidden_size, shape.head_dim
+    heads, kv_heads = shape.num_attention_heads, shape.num_key_value_heads
+    out: list[tuple[str, tuple[int, ...]]] = []
+    if shape.has_embed_tokens:
+        out.append(("embed_tokens.weight", (shape.vocab_size, h)))
+    out += [("hidden_norm.weight", (h,)), ("norm.weight", (h,))]
+    for i in range(shape.num_hidden_layers):
+        p = f"layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "self_attn.q_norm.weight", (hd,)),
+            (p + "self_attn.k_norm.weight", (hd,)),
+        ]
+        if shape.attention_bias:
+            out += [
+                (p + "self_attn.q_proj.bias", (heads * hd,)),
+                (p + "self_attn.k_proj.bias", (kv_heads * hd,)),
+                (p + "self_attn.v_proj.bias", (kv_heads * hd,)),
+            ]
+        if shape.has_attention_sinks:
+            out.append((p + "self_attn.attention_sink_bias", (heads,)))
+    if shape.kind == DSPARK and shape.markov_rank is not None:
+        out.append(("markov_head.markov_w1.weight", (shape.vocab_size, shape.markov_rank)))
+    return tuple(out)
 
 
 def draft_kind(config: dict) -> str:
@@ -141,39 +238,11 @@ def draft_kind(config: dict) -> str:
 
 
 def logical_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Dense (logical) shape of every tensor of the draft, by checkpoint name (no ``model.`` prefix)."""
-    kind = draft_kind(config)
-    d = _dims(config)
-    H, V, nh, nkv, hd, inter = d["H"], d["V"], d["nh"], d["nkv"], d["hd"], d["I"]
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (V, H),
-        "fc.weight": (H, d["A"] * H),
-        "hidden_norm.weight": (H,),
-        "norm.weight": (H,),
-    }
-    for i in range(d["L"]):
-        p = f"layers.{i}"
-        shapes.update(
-            {
-                f"{p}.input_layernorm.weight": (H,),
-                f"{p}.post_attention_layernorm.weight": (H,),
-                f"{p}.self_attn.q_proj.weight": (nh * hd, H),
-                f"{p}.self_attn.k_proj.weight": (nkv * hd, H),
-                f"{p}.self_attn.v_proj.weight": (nkv * hd, H),
-                f"{p}.self_attn.o_proj.weight": (H, nh * hd),
-                f"{p}.self_attn.q_norm.weight": (hd,),
-                f"{p}.self_attn.k_norm.weight": (hd,),
-                f"{p}.mlp.gate_proj.weight": (inter, H),
-                f"{p}.mlp.up_proj.weight": (inter, H),
-                f"{p}.mlp.down_proj.weight": (H, inter),
-            }
-        )
-        if kind == DSPARK:
-            shapes[f"{p}.self_attn.attention_sink_bias"] = (nh,)
-    if kind == DSPARK:
-        R = config["markov_rank"]
-        shapes["markov_head.markov_w1.weight"] = (V, R)
-        shapes["markov_head.markov_w2.weight"] = (V, R)
+    """Dense (logical) shape of every tensor of an official draft, by checkpoint name (no
+    ``model.`` prefix), sorted by name."""
+    shape = official_shape(config)
+    shapes = {f"{name}.weight": s for name, s in linear_modules(shape)}
+    shapes.update(dense_tensors(shape))
     return dict(sorted(shapes.items()))
 
 

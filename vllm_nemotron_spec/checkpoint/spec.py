@@ -16,9 +16,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.checkpoint.layout import GROUP_SIZE as NVFP4_GROUP_SIZE
 
-NEMOTRON35_ARCHITECTURES = ("DFlashDraftModel", "Qwen3DSparkModel")
+NEMOTRON35_ARCHITECTURES = tuple(layout.ARCHITECTURES.values())
 """Draft architectures that can carry the Nemotron 3.5 layout."""
 
 VLLM_DSPARK_ARCHITECTURES = (
@@ -31,7 +32,7 @@ VLLM_DSPARK_ARCHITECTURES = (
 """With ``method="dspark"`` vLLM 0.33 silently rewrites any other architecture to DeepSeek-V4
 DSpark."""
 
-NVFP4_QUANT_ALGOS = ("W4A16_NVFP4", "NVFP4")
+NVFP4_QUANT_ALGOS = (layout.QUANT_ALGO, "NVFP4")
 """ModelOpt algorithms whose weights use the packed NVFP4 layout of ``nvfp4.format``."""
 
 
@@ -44,11 +45,6 @@ MAX_DRAFT_LAYERS = 1024
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-
-_FUSED_SHARDS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 
 _MISSING = object()
 
@@ -584,9 +580,9 @@ class DraftSpec:
         if self.quant_algo is None:
             return False
         head, _, leaf = module_name.rpartition(".")
-        if leaf in _FUSED_SHARDS:
+        if leaf in layout.FUSED_MODULES:
             prefix = f"{head}." if head else ""
-            answers = {s: not self._excluded(prefix + s) for s in _FUSED_SHARDS[leaf]}
+            answers = {s: not self._excluded(prefix + s) for s in layout.FUSED_MODULES[leaf]}
             if len(set(answers.values())) > 1:
                 shown = ", ".join(
                     f"{prefix}{s}: {'quantized' if q else 'excluded'}" for s, q in answers.items()
@@ -611,64 +607,36 @@ class DraftSpec:
                     return pattern
         return None
 
+    def draft_shape(self) -> layout.DraftShape:
+        """The sizes and options that fix this draft's tensor names and shapes."""
+        return layout.DraftShape(
+            kind=self.method,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            num_aux_layers=len(self.aux_hidden_state_ids),
+            target_hidden_size=self.target_hidden_size,
+            draft_vocab_size=self.draft_vocab_size,
+            markov_rank=self.markov_rank,
+            has_embed_tokens=self.has_embed_tokens,
+            has_lm_head=self.has_lm_head,
+            attention_bias=self.attention_bias,
+            has_attention_sinks=self.has_attention_sinks,
+        )
+
     def linear_modules(self) -> tuple[tuple[str, tuple[int, int]], ...]:
         """Checkpoint names and logical ``[out, in]`` shapes of every linear layer of the draft
-        (the modules that may be stored NVFP4)."""
-        h, hd = self.hidden_size, self.head_dim
-        q, kv = self.num_attention_heads * hd, self.num_key_value_heads * hd
-        inter = self.intermediate_size
-        target_hidden = self.target_hidden_size or h
-        mods: list[tuple[str, tuple[int, int]]] = [
-            ("fc", (h, len(self.aux_hidden_state_ids) * target_hidden))
-        ]
-        for i in range(self.num_hidden_layers):
-            p = f"layers.{i}."
-            mods += [
-                (p + "self_attn.q_proj", (q, h)),
-                (p + "self_attn.k_proj", (kv, h)),
-                (p + "self_attn.v_proj", (kv, h)),
-                (p + "self_attn.o_proj", (h, q)),
-                (p + "mlp.gate_proj", (inter, h)),
-                (p + "mlp.up_proj", (inter, h)),
-                (p + "mlp.down_proj", (h, inter)),
-            ]
-        if self.method == "dspark" and self.markov_rank is not None:
-            mods.append(
-                (
-                    "markov_head.markov_w2",
-                    (self.draft_vocab_size or self.vocab_size, self.markov_rank),
-                )
-            )
-        if self.has_lm_head:
-            mods.append(("lm_head", (self.draft_vocab_size or self.vocab_size, h)))
-        return tuple(mods)
+        (the modules that may be stored NVFP4; :func:`layout.linear_modules`)."""
+        return layout.linear_modules(self.draft_shape())
 
     def dense_tensors(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """Checkpoint names and shapes of the non-linear tensors (always stored unquantized)."""
-        h, hd = self.hidden_size, self.head_dim
-        out: list[tuple[str, tuple[int, ...]]] = []
-        if self.has_embed_tokens:
-            out.append(("embed_tokens.weight", (self.vocab_size, h)))
-        out += [("hidden_norm.weight", (h,)), ("norm.weight", (h,))]
-        for i in range(self.num_hidden_layers):
-            p = f"layers.{i}."
-            out += [
-                (p + "input_layernorm.weight", (h,)),
-                (p + "post_attention_layernorm.weight", (h,)),
-                (p + "self_attn.q_norm.weight", (hd,)),
-                (p + "self_attn.k_norm.weight", (hd,)),
-            ]
-            if self.attention_bias:
-                out += [
-                    (p + "self_attn.q_proj.bias", (self.num_attention_heads * hd,)),
-                    (p + "self_attn.k_proj.bias", (self.num_key_value_heads * hd,)),
-                    (p + "self_attn.v_proj.bias", (self.num_key_value_heads * hd,)),
-                ]
-            if self.has_attention_sinks:
-                out.append((p + "self_attn.attention_sink_bias", (self.num_attention_heads,)))
-        if self.method == "dspark" and self.markov_rank is not None:
-            out.append(("markov_head.markov_w1.weight", (self.vocab_size, self.markov_rank)))
-        return tuple(out)
+        """Checkpoint names and shapes of the non-linear tensors (always stored unquantized;
+        :func:`layout.dense_tensors`)."""
+        return layout.dense_tensors(self.draft_shape())
 
     def to_dict(self) -> dict:
         """JSON-ready dict of the spec (tuples as lists)."""

@@ -97,7 +97,7 @@ def add_parser(sub) -> None:
     engine.add_argument(
         "--family-dir",
         default=None,
-        help="where the tiny family is built/cached (default: $VLLM_NEMOTRON_SPEC_CACHE or "
+        help="where the tiny family is built/cached (default: $NEMOTRON_SPEC_CACHE or "
         "~/.cache/vllm-nemotron-spec)",
     )
 

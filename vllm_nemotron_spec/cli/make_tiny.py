@@ -35,7 +35,7 @@ example:
     --speculative-config '{"method": "dflash", "model": "/tmp/tiny-drafts-trained-seed0/dflash", "num_speculative_tokens": 5}'
 (the family is stored in float32: serve it so; vLLM's default would cast it to bfloat16)
 
-tests build (and reuse) the family of seed 0 in $VLLM_NEMOTRON_SPEC_CACHE
+tests build (and reuse) the family of seed 0 in $NEMOTRON_SPEC_CACHE
 (default ~/.cache/vllm-nemotron-spec)/tiny-family-seed0.
 """
 

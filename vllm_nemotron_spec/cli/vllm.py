@@ -7,7 +7,7 @@ e.g. ``vllm-nemotron-spec vllm serve MODEL --speculative-config ...`` or ``... v
 
 A configuration that vLLM (or the plugin's draft check) refuses while building its config ends
 with one line, ``vllm serve: error: invalid SpeculativeConfig: <what, naming the field>``, and exit
-code 2 instead of a traceback; set VLLM_NEMOTRON_SPEC_TRACEBACK=1 to get the traceback. Every
+code 2 instead of a traceback; set NEMOTRON_SPEC_TRACEBACK=1 to get the traceback. Every
 other failure keeps vLLM's own output.
 """
 
@@ -17,7 +17,7 @@ import argparse
 import os
 import re
 
-TRACEBACK_ENV = "VLLM_NEMOTRON_SPEC_TRACEBACK"
+TRACEBACK_ENV = "NEMOTRON_SPEC_TRACEBACK"
 CONFIG_ERROR_EXIT = 2
 
 

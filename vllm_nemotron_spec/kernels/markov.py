@@ -805,13 +805,3 @@ def markov_walk_greedy(
         )  # fmt: skip
     launch.reduce(parts[(gamma - 1) % 2], tokens_out, (gamma - 1) * col, keys, gamma - 1)
     return tokens_out
-
-
-def walk_bytes(batch: int, gamma: int, vocab: int, rank: int, base_bytes: int = 2,
-               logits_bytes: int = 0) -> int:  # fmt: skip
-    """Bytes a fused greedy walk must move at least: ``markov_w2`` packed + block scales once a
-    step, the rows' embeddings, the base logits once (and the corrected logits written, when
-    ``logits_bytes``)."""
-    per_step = vocab * rank // 2 + vocab * rank // 16 + 4 + batch * rank * 2
-    per_step += batch * vocab * (base_bytes + logits_bytes)
-    return gamma * per_step

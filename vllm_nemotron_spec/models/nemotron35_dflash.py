@@ -13,7 +13,7 @@ from __future__ import annotations
 from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
-from vllm_nemotron_spec.checkpoint.inspect import draft_spec_from_vllm_config
+from vllm_nemotron_spec.checkpoint.check import draft_spec_from_vllm_config
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 from vllm_nemotron_spec.target_hook import checked_weights
 

@@ -21,7 +21,7 @@ from vllm.config import VllmConfig
 from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 from vllm_nemotron_spec import patches
-from vllm_nemotron_spec.checkpoint.inspect import draft_spec_from_vllm_config
+from vllm_nemotron_spec.checkpoint.check import draft_spec_from_vllm_config
 from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 from vllm_nemotron_spec.models.nemotron35_dflash import (
     check_built_model_matches_spec,
@@ -32,7 +32,7 @@ from vllm_nemotron_spec.target_hook import checked_weights
 logger = logging.getLogger("vllm.nemotron_spec.dspark")  # under "vllm": printed by its handler
 
 ARCHITECTURE = "DSparkNemotron35DraftModel"
-FUSED_MARKOV_ENV = "VLLM_NEMOTRON_SPEC_FUSED_MARKOV"
+FUSED_MARKOV_ENV = "NEMOTRON_SPEC_FUSED_MARKOV"
 _MARKOV_W2 = "markov_head.markov_w2."
 
 
@@ -99,10 +99,10 @@ class Nemotron35DSparkForCausalLM(Qwen3DSparkForCausalLM):
         (``proposers/dspark.py`` on vLLM's V1 runner, vLLM's ``DSparkSpeculator`` on V2). The
         fused walk (``kernels/markov.py``; ``markov_w2`` kept packed at load, 36 MiB at the real
         shape, and ``markov_w1`` by phase, 128 MiB) runs for greedy drafting on one Hopper GPU
-        (elsewhere with ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1``): in the CUDA-graph engine at
+        (elsewhere with ``NEMOTRON_SPEC_FUSED_MARKOV=1``): in the CUDA-graph engine at
         Lightning widths on the H200 it cut the draft step from 1.02 to 0.92 ms at concurrency 1
         and from 1.38 to 1.16 ms at 16 (DSpark 7, benchmarks/RESULTS.md).
-        ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=0`` keeps vLLM's loop; every other case (sampling,
+        ``NEMOTRON_SPEC_FUSED_MARKOV=0`` keeps vLLM's loop; every other case (sampling,
         top-k drafting, confidence heads, acceptance estimation, tensor parallelism, other GPUs,
         CPU) runs vLLM's loop."""
         declined = self.fused_walk_declined(speculator, head_hidden)
@@ -156,7 +156,7 @@ def fused_walk_switch_reason(tensor_parallel_size: int, capability: tuple | None
     """Why the fused walk is off for the whole engine (None: on), decided at load so that its
     weight copies are kept only when it can run. On by default where it was measured faster than
     vLLM's loop: one NVIDIA Hopper GPU (``capability`` (9, x); ROCm devices come as ("ROCm",
-    major, minor)). ``VLLM_NEMOTRON_SPEC_FUSED_MARKOV=1`` turns it on for other GPUs, ``=0`` off
+    major, minor)). ``NEMOTRON_SPEC_FUSED_MARKOV=1`` turns it on for other GPUs, ``=0`` off
     everywhere."""
     setting = os.environ.get(FUSED_MARKOV_ENV, "")
     if setting == "0":

@@ -30,6 +30,7 @@ from vllm.model_executor.parameter import (
     PerTensorScaleParameter,
 )
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 
 NAME = "nemotron_ct_w4a16_nvfp4"
@@ -38,11 +39,9 @@ NAME = "nemotron_ct_w4a16_nvfp4"
 CT_QUANT_METHOD = "compressed-tensors"
 CT_NVFP4_FORMAT = "nvfp4-pack-quantized"
 
-QWEN3_FUSED_MODULES = {
-    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
-    "gate_up_proj": ["gate_proj", "up_proj"],
-}
-"""The fused linears of the drafts' Qwen3 layers and the checkpoint modules they load."""
+QWEN3_FUSED_MODULES = {fused: list(shards) for fused, shards in layout.FUSED_MODULES.items()}
+"""The fused linears of the drafts' Qwen3 layers and the checkpoint modules they load, as vLLM's
+``packed_modules_mapping`` takes them."""
 
 _DESCRIPTION = f"quantization {NAME} (compressed-tensors NVFP4A16 on CPU)"
 

@@ -25,6 +25,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.parameter import ModelWeightParameter, PerTensorScaleParameter
 
+from vllm_nemotron_spec.checkpoint import layout
 from vllm_nemotron_spec.checkpoint.layout import modelopt_quant_algo
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 
@@ -33,7 +34,7 @@ logger = init_logger(__name__)
 NAME = "nemotron_w4a16_nvfp4"
 """The quantization method name this module registers with vLLM."""
 
-QUANT_ALGO = "W4A16_NVFP4"
+QUANT_ALGO = layout.QUANT_ALGO
 """The ModelOpt ``quant_algo`` this config claims (weight-only NVFP4, bf16/fp16 activations)."""
 
 _DESCRIPTION = f"quantization {NAME} (ModelOpt {QUANT_ALGO})"

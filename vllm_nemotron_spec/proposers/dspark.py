@@ -16,7 +16,7 @@ from typing_extensions import override
 from vllm.config import VllmConfig
 from vllm.v1.sample.metadata import SamplingMetadata
 
-from vllm_nemotron_spec.checkpoint.inspect import draft_spec_from_vllm_config
+from vllm_nemotron_spec.checkpoint.check import draft_spec_from_vllm_config
 from vllm_nemotron_spec.proposers.dflash import Nemotron35DFlashProposer
 
 

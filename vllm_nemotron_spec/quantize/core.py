@@ -332,14 +332,13 @@ def quantize_draft(
 
 
 def _check_written(directory: Path) -> None:
-    """The quantized checkpoint, checked exactly as ``inspect`` checks it (headers only)."""
-    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint
+    """The quantized checkpoint, checked as ``inspect`` and the server check it (headers only)."""
+    from vllm_nemotron_spec.checkpoint.check import check_draft
 
-    report = inspect_checkpoint(str(directory))
-    if report["problems"]:
+    problems = check_draft(str(directory)).problems
+    if problems:
         raise AssertionError(
-            "the written checkpoint fails inspect:\n"
-            + "\n".join(f"  - {p}" for p in report["problems"])
+            "the written checkpoint fails inspect:\n" + "\n".join(f"  - {p}" for p in problems)
         )
 
 

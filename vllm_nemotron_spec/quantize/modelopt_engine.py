@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 NAME = "modelopt"
-PYTHON_ENV = "VLLM_NEMOTRON_SPEC_MODELOPT_PYTHON"
+PYTHON_ENV = "NEMOTRON_SPEC_MODELOPT_PYTHON"
 """Environment variable naming the Python of an environment with nvidia-modelopt."""
 DEFAULT_VENV = ".venv-quantize"
 """The environment ``bash scripts/install.sh --quantize`` makes in the repository root."""
@@ -179,7 +179,7 @@ def default_python() -> Path | None:
 
 
 def resolve_engine(python: str | None = None) -> "ModelOptEngine":
-    """Where modelopt runs: ``python`` (or ``$VLLM_NEMOTRON_SPEC_MODELOPT_PYTHON``) if given, else
+    """Where modelopt runs: ``python`` (or ``$NEMOTRON_SPEC_MODELOPT_PYTHON``) if given, else
     in this process when modelopt imports here, else the repository's ``.venv-quantize``."""
     chosen = python or os.environ.get(PYTHON_ENV) or None
     if chosen:

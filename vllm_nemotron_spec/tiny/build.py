@@ -38,7 +38,7 @@ REQUIRED_FILES = tuple(
     }.items()
     for f in names
 )
-CACHE_ENV = "VLLM_NEMOTRON_SPEC_CACHE"
+CACHE_ENV = "NEMOTRON_SPEC_CACHE"
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def builder_source_hash() -> str:
 
 
 def default_cache_dir() -> Path:
-    """``$VLLM_NEMOTRON_SPEC_CACHE``, default ``~/.cache/vllm-nemotron-spec``."""
+    """``$NEMOTRON_SPEC_CACHE``, default ``~/.cache/vllm-nemotron-spec``."""
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-nemotron-spec"
 

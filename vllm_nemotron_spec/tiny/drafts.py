@@ -10,7 +10,7 @@ one back as dense fp32 tensors.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -191,11 +191,6 @@ def draft_config(
             }
         )
     return dict(sorted(config.items()))
-
-
-# ---------------------------------------------------------------------------------------------
-# tensor schema
-# ---------------------------------------------------------------------------------------------
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,10 +400,6 @@ def build_draft(
     )
     state = init_draft_state_dict(config, seed, embed_tokens=target_embedding(target_dir))
     return write_draft(outdir, kind, state, target_dir, params=params, target_layer_ids=ids)
-
-
-def draft_params_dict(params: DraftParams) -> dict:
-    return asdict(params)
 
 
 def _write_json(path: Path, obj) -> None:

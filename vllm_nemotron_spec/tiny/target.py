@@ -12,7 +12,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_nemotron_spec._torch import deterministic_torch, torch_threads
@@ -211,7 +211,7 @@ def build_target(
     from transformers import NemotronHForCausalLM
 
     outdir = Path(outdir)
-    with deterministic_torch(params.num_threads), _quiet_kernel_fallback_warnings():
+    with deterministic_torch(params.num_threads), quiet_kernel_fallback_warnings():
         torch.manual_seed(seed)
         config = make_config(params, tokenizer.get_vocab_size(with_added_tokens=True))
         model = NemotronHForCausalLM(config).to(torch.float32)
@@ -228,9 +228,9 @@ def build_target(
 
 
 @contextlib.contextmanager
-def _quiet_kernel_fallback_warnings():
+def quiet_kernel_fallback_warnings():
     """transformers warns that Mamba-2 runs its reference PyTorch path (no mamba-ssm kernels on
-    CPU); that is expected here, so keep it out of the build's output."""
+    CPU); that is expected wherever the build runs the target, so keep it out of the output."""
     log = logging.getLogger("transformers.integrations.hub_kernels")
     level = log.level
     log.setLevel(logging.ERROR)
@@ -269,7 +269,3 @@ def greedy_reference(model, prompt_ids: Sequence[int], max_new_tokens: int) -> l
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
             ids.append(int(torch.argmax(logits)))
     return ids[len(prompt_ids) :]
-
-
-def target_params_dict(params: TargetParams) -> dict:
-    return asdict(params)

@@ -266,7 +266,7 @@ def generate_draft_data(
     ``output_hidden_states`` gives ``norm_f``'s output there)."""
     from tqdm.auto import tqdm
 
-    from vllm_nemotron_spec.tiny.target import load_target
+    from vllm_nemotron_spec.tiny.target import load_target, quiet_kernel_fallback_warnings
     from vllm_nemotron_spec.tiny.tokenizer import load_tokenizer
 
     target_dir = Path(target_dir)
@@ -285,9 +285,10 @@ def generate_draft_data(
     )
     for length in groups:
         idx = [i for i, p in enumerate(prompts) if len(p) == length]
-        seqs, seq_aux = greedy_continue(
-            target, torch.tensor([prompts[i] for i in idx]), params.new_tokens, aux_ids, bar
-        )
+        with quiet_kernel_fallback_warnings():
+            seqs, seq_aux = greedy_continue(
+                target, torch.tensor([prompts[i] for i in idx]), params.new_tokens, aux_ids, bar
+            )
         if aux is None:
             aux = torch.zeros(len(prompts), T, seq_aux.shape[-1])
         tokens[idx, : seqs.shape[1]] = seqs
