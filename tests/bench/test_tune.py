@@ -224,7 +224,7 @@ def test_report_uses_sampled_acceptance_when_sampling():
 def test_text_report_and_serving_commands(monkeypatch):
     from vllm_nemotron_spec.bench import tune_report as tr
 
-    monkeypatch.setattr("vllm_nemotron_spec.checkpoint.inspect.serve_program", lambda: "vllm serve")
+    monkeypatch.setattr("vllm_nemotron_spec.commands.serve_program", lambda: "vllm serve")
     text = tr.format_tune_report(_report(), "/out/schedule.json")
     assert "vllm serve /t --speculative-config '" in text
     config = json.loads(text.split("--speculative-config '")[1].split("'")[0])

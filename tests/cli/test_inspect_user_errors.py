@@ -12,8 +12,8 @@ import shutil
 import pytest
 
 from tests import draft_configs as dc
-from vllm_nemotron_spec.checkpoint.inspect import serve_program
 from vllm_nemotron_spec.cli.main import main
+from vllm_nemotron_spec.commands import serve_program
 
 
 def run(capsys, *argv):

@@ -16,6 +16,14 @@ import socket
 
 import pytest
 
+from benchmarks.harness.nvfp4_layers import (
+    CASES,
+    QUANT_CONFIG,
+    build_layer,
+    load,
+    make_shards,
+    nvfp4_tensors,
+)
 from tests.gpu.checks import (
     bf16_slices,
     expected_w4a16_kernel,
@@ -24,74 +32,21 @@ from tests.gpu.checks import (
     worst_excess,
 )
 
-CASES = {
-    # name: (layer kind, input features, output features per shard, up's global scale / gate's)
-    "fc": ("replicated", 16128, [2688], None),
-    "gate_up": ("merged", 2688, [6144, 6144], 1.0),  # one shared weight_scale_2 (ModelOpt)
-    "gate_up_4x": ("merged", 2688, [6144, 6144], 4.0),  # folded into the block scales: 1 GEMM
-    "gate_up_3x": ("merged", 2688, [6144, 6144], 3.0),  # not foldable exactly: 1 GEMM per shard
-    "down": ("row", 6144, [2688], None),
-    "markov_w2": ("lm_head", 512, [131072], None),  # DSpark's Markov head
-}
 MS = (1, 4, 16, 64)
-QUANT_CONFIG = {"quant_method": "modelopt", "quant_algo": "W4A16_NVFP4", "group_size": 16}
-
-
-def _gaussian(rows: int, cols: int, seed: int, std: float = 0.02):
-    import torch
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randn(rows, cols, generator=g, device="cuda") * std
-    w[0, :8] *= 8  # a few outliers, as real weights have
-    return w
 
 
 def _shards(case: str):
-    """ModelOpt NVFP4 tensors of each shard (fused cases: gate, up)."""
-    from vllm_nemotron_spec.nvfp4 import format as nvfp4
-
-    _, k, outs, ratio = CASES[case]
-    if ratio is None:
-        return [nvfp4.quantize(_gaussian(outs[0], k, 1))]
-    up_dense = _gaussian(outs[1], k, 3)
-    up = nvfp4.quantize(up_dense)
-    if ratio == 1.0:  # one global scale from the amax over both shards
-        gate_dense = _gaussian(outs[0], k, 2)
-        amax = max(float(gate_dense.abs().max()), float(up_dense.abs().max()))
-        shared = amax / (nvfp4.E2M1_MAX * nvfp4.FP8_E4M3_MAX)
-        return [nvfp4.quantize(gate_dense, shared), nvfp4.quantize(up_dense, shared)]
-    gate_scale = float(up.weight_scale_2) / ratio
-    return [nvfp4.quantize(_gaussian(outs[0], k, 2, std=0.02 / ratio), gate_scale), up]
+    """ModelOpt NVFP4 tensors of each shard (fused cases: gate, up), on the GPU."""
+    return make_shards(case, "cuda")
 
 
 def _layer(case: str, quant_config, shards):
     """The vLLM layer of ``case``, its tensors loaded through the weight loaders, processed."""
     import torch
-    from vllm.model_executor.layers.linear import (
-        MergedColumnParallelLinear,
-        ReplicatedLinear,
-        RowParallelLinear,
-    )
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    kind, k, outs, _ = CASES[case]
-    common = dict(quant_config=quant_config, params_dtype=torch.bfloat16, prefix=f"gpu.{case}")
     with torch.device("cuda"):
-        if kind == "replicated":
-            layer = ReplicatedLinear(k, outs[0], bias=False, **common)
-        elif kind == "merged":
-            layer = MergedColumnParallelLinear(k, outs, bias=False, **common)
-        elif kind == "row":
-            layer = RowParallelLinear(k, outs[0], bias=False, **common)
-        else:
-            layer = ParallelLMHead(outs[0], k, bias=False, disable_tp=True, **common)
-        for shard_id, q in enumerate(shards):
-            for name in ("weight", "weight_scale", "weight_scale_2"):
-                param = getattr(layer, name)
-                args = (shard_id,) if kind == "merged" else ()
-                param.weight_loader(param, getattr(q, name), *args)
-        layer.quant_method.process_weights_after_loading(layer)
-    return layer
+        layer = build_layer(case, quant_config, torch.bfloat16)
+        return load(layer, case, [nvfp4_tensors(q) for q in shards])
 
 
 @pytest.fixture(scope="module")

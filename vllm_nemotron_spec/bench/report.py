@@ -200,6 +200,13 @@ def plot_report(report: dict, path: str | Path) -> Path:
         f"{'' if not report['temperature'] else ', temperature ' + str(report['temperature'])}",
         fontsize=10,
     )
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path) -> Path:
+    """Write a matplotlib figure to ``path`` atomically (never a half-written file) and close it."""
+    import matplotlib.pyplot as plt
+
     from vllm_nemotron_spec.outputs import atomic_output_file
 
     path = Path(path)

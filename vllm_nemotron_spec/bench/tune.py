@@ -101,15 +101,15 @@ def plan_tune(
     """Check the pair and the options and return the plan; raise :class:`TuneError` naming the
     problem (a draft that is not a Nemotron 3.5 ``method`` draft for this NemotronH target, a k
     above the draft's trained block, a batch grid below 1, ...). Nothing here starts vLLM."""
-    from vllm_nemotron_spec.checkpoint.inspect import _model_arg
+    from vllm_nemotron_spec.commands import model_argument
 
     grid = batch_grid(max_batch)
     _check_options(options)
     spec = checked_draft(target, method, draft)
     return TunePlan(
-        target=_model_arg(target),
+        target=model_argument(target),
         method=method,
-        draft=_model_arg(draft),
+        draft=model_argument(draft),
         ks=tuple(checked_ks(spec, ks)),
         batch_sizes=tuple(grid),
         block_limit=spec.max_num_speculative_tokens,
@@ -119,8 +119,9 @@ def plan_tune(
 
 def checked_draft(target: str, method: str, draft: str):
     """The draft's DraftSpec, once it is known to be a Nemotron 3.5 ``method`` draft whose config
-    and tensor headers fit the NemotronH ``target`` (``inspect``'s checks)."""
-    from vllm_nemotron_spec.checkpoint.inspect import inspect_checkpoint, load_config
+    and tensor headers fit the NemotronH ``target`` (the checks of ``inspect`` and start-up)."""
+    from vllm_nemotron_spec.checkpoint.check import check_draft
+    from vllm_nemotron_spec.checkpoint.headers import load_config
     from vllm_nemotron_spec.checkpoint.spec import DraftSpec, DraftSpecError
 
     try:
@@ -139,7 +140,7 @@ def checked_draft(target: str, method: str, draft: str):
             f"--method {method}: the draft is a {spec.method} draft ({spec.architecture}); "
             f"use --method {spec.method}"
         )
-    problems = inspect_checkpoint(draft, target, draft_config=config)["problems"]
+    problems = check_draft(draft, target, draft_config=config, method=method).problems
     if problems:
         more = len(problems) - 4
         raise TuneError(

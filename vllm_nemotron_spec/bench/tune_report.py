@@ -10,7 +10,7 @@ from pathlib import Path
 def serve_command(report: dict) -> str | None:
     """``vllm serve TARGET --speculative-config '...'`` for the chosen schedule (None: no k above
     0 paid at any batch size)."""
-    from vllm_nemotron_spec.checkpoint.inspect import serve_program
+    from vllm_nemotron_spec.commands import serve_program
 
     config = report["speculative_config"]
     if config is None:
@@ -173,10 +173,6 @@ def plot_tune_report(report: dict, path: str | Path) -> Path:
         f"schedule {report['schedule']}",
         fontsize=10,
     )
-    from vllm_nemotron_spec.outputs import atomic_output_file
+    from vllm_nemotron_spec.bench.report import save_figure
 
-    path = Path(path)
-    with atomic_output_file(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

