@@ -136,3 +136,22 @@ def test_a_target_saved_by_transformers_5_takes_nemotron35_drafts(tiny_family, t
         hf = config.speculative_config.draft_model_config.hf_config
         assert hf.architectures == [target_hook.NEMOTRON35_DRAFT_ARCHITECTURES[method]]
         assert getattr(hf, target_hook.WEIGHTS_CHECKED_ATTR) == f"local directory {draft}"
+
+
+def test_a_routed_draft_on_cpu_refuses_replayssm_at_start_up(tiny_family):
+    """vLLM accepts --use-replayssm here, but the plugin's CPU Mamba fixes keep the per-token
+    state layout, not ReplaySSM's ring: the launch is refused at start-up in one line instead of
+    failing (or going wrong) at the first speculative step."""
+    import pytest
+
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+    draft = ensure_trained_drafts(family=tiny_family).dflash
+    spec = {"method": "dflash", "model": str(draft), "num_speculative_tokens": 3}
+    with pytest.raises(Exception, match=r"CPU Mamba fixes do not cover --use-replayssm"):
+        _engine_config(
+            tiny_family.target,
+            speculative_config=spec,
+            enable_prefix_caching=False,
+            use_replayssm=True,
+        )
