@@ -113,7 +113,6 @@ def test_arm_spec_follows_the_recipe_and_the_layout():
     assert plain["speculative"] is None and plain["engine"]["moe_backend"] == "auto"
     assert "kv_cache_memory_bytes" not in plain["engine"]
     bf16 = models.Models("/t", {}, "bf16", "dummy")
-    assert speed.arm_spec("plain", args(), bf16, False)["fix_routing"]
     assert "moe_backend" not in speed.arm_spec("plain", args(), bf16, False)["engine"]
 
 
