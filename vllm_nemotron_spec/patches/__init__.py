@@ -448,6 +448,11 @@ def install_when_imported(
 
 
 def _versions(patch: str) -> str:
+    """The checked versions whose code every target of ``patch`` has here (else each target's)."""
+    matched = [set(v.split(", ")) for v in _matched.get(patch, ())]
+    common = set.intersection(*matched) if matched else set()
+    if common:
+        return ", ".join(sorted(common))
     return " / ".join(sorted(_matched.get(patch, ()))) or "?"
 
 
