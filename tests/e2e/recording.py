@@ -23,6 +23,7 @@ def record_proposals():
 
     steps: list[Step] = []
     original = DFlashProposer.propose
+    own = vars(DFlashProposer).get("propose")  # None: inherited from SpecDecodeBaseProposer
 
     def propose(
         self,
@@ -62,4 +63,7 @@ def record_proposals():
     try:
         yield steps
     finally:
-        DFlashProposer.propose = original
+        if own is None:
+            del DFlashProposer.propose  # the class as it was: inheriting the base's method
+        else:
+            DFlashProposer.propose = own
