@@ -12,14 +12,13 @@ exact product with the reference dequantized weight.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from benchmarks.harness.nvfp4_layers import (
     CASES,
     QUANT_CONFIG,
     build_layer,
+    init_vllm,
     load,
     make_shards,
     nvfp4_tensors,
@@ -59,19 +58,7 @@ def quant_config():
     from vllm_nemotron_spec.nvfp4 import config as nvcfg
 
     with set_current_vllm_config(VllmConfig()):
-        created = not ps.model_parallel_is_initialized()
-        if created:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            ps.init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{port}",
-                backend="nccl",
-            )
-            ps.initialize_model_parallel(1)
+        created = init_vllm("cuda")
         try:
             nvcfg.register()
             yield nvcfg.NemotronW4A16NvFp4Config.from_config(QUANT_CONFIG)
