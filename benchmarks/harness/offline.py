@@ -252,6 +252,9 @@ class OfflineEngine:
         elif kind == "split":
             split = trace.by_priority(trace.assign_ranges(events), instrument.PRIORITY)
             out["parts_ms_per_step"] = {k: v / 1e3 / steps for k, v in split["us"].items()}
+            out["parts_kernel_ms_per_step"] = {
+                k: v / 1e3 / steps for k, v in split["kernel_us"].items()
+            }
             out["parts_count_per_step"] = {k: v / steps for k, v in split["count"].items()}
             out["ranges"] = info.get("ranges")
             out["top_kernels"] = {

@@ -124,11 +124,13 @@ def _ranges(events: list[dict]) -> list[dict]:
 
 
 def _items(events: list[dict]) -> tuple[list[tuple], int, bool]:
-    """(items, unmatched, device): each item (thread, time it was issued, duration, name)."""
+    """(items, unmatched, device): each item (thread, time it was issued, duration, name, time
+    it ran)."""
     dev = device_events(events)
     if not dev:
         items = [
-            (_thread(e), e["ts"], float(e.get("dur", 0.0)), e["name"]) for e in cpu_ops(events)
+            (_thread(e), e["ts"], float(e.get("dur", 0.0)), e["name"], e["ts"])
+            for e in cpu_ops(events)
         ]
         return items, 0, False
     launches = {
@@ -142,14 +144,15 @@ def _items(events: list[dict]) -> tuple[list[tuple], int, bool]:
         if launch is None:
             unmatched += 1
             continue
-        items.append((_thread(launch), launch["ts"], float(e.get("dur", 0.0)), e.get("name", "")))
+        dur = float(e.get("dur", 0.0))
+        items.append((_thread(launch), launch["ts"], dur, e.get("name", ""), e["ts"]))
     return items, unmatched, True
 
 
 def assign_ranges(events: list[dict]) -> dict:
     """Every device event (CPU op without a GPU) with the names of the harness ranges open on
     its launching thread at the launch, outermost first, and the id of the outermost range.
-    Returns ``{"items": [(names, outer_id, start_us, dur_us, name)], "unmatched": n (kernels
+    Returns ``{"items": [(names, outer_id, issued_us, dur_us, name, ran_us)], "unmatched": n (kernels
     whose launch is not in the trace), "device": bool}``."""
     ranges = _ranges(events)
     items, unmatched, device = _items(events)
@@ -157,7 +160,7 @@ def assign_ranges(events: list[dict]) -> dict:
     for i, r in enumerate(ranges):
         timeline[_thread(r)].append((r["ts"], 0, -r.get("dur", 0), i))
         timeline[_thread(r)].append((r["ts"] + r.get("dur", 0), 2, 0, i))
-    for j, (thread, ts, _dur, _name) in enumerate(items):
+    for j, (thread, ts, _dur, _name, _ran) in enumerate(items):
         timeline[thread].append((ts, 1, 0, j))
     out = []
     for points in timeline.values():
@@ -170,8 +173,8 @@ def assign_ranges(events: list[dict]) -> dict:
                     stack.remove(idx)
             else:
                 names = tuple(ranges[i]["name"][len(RANGE_PREFIX) :] for i in stack)
-                _thr, ts, dur, name = items[idx]
-                out.append((names, stack[0] if stack else None, ts, dur, name))
+                _thr, ts, dur, name, ran = items[idx]
+                out.append((names, stack[0] if stack else None, ts, dur, name, ran))
     out.sort(key=lambda item: item[2])
     return {"items": out, "unmatched": unmatched, "device": device}
 
@@ -179,19 +182,29 @@ def assign_ranges(events: list[dict]) -> dict:
 def by_priority(assigned: dict, priority: dict[str, int]) -> dict:
     """GPU time per part: each item goes to the open range of the highest ``priority`` (names
     not in it: priority 0; ties: the innermost), items in no range to :data:`UNATTRIBUTED`.
-    Returns ``{"us": {part: us}, "count": {part: n}, "top": {part: {kernel: us}}}``."""
-    us: dict[str, float] = defaultdict(float)
+    Returns ``{"us": {part: us}, "kernel_us": {part: us}, "count": {part: n}, "top": {part:
+    {kernel: us}}}``: ``us`` is the union of a part's intervals (kernels of one part that overlap,
+    e.g. the shared experts on their own stream beside the routed ones, count once, so the parts
+    add up to about the busy time), ``kernel_us`` the plain sum of its kernels' durations."""
+    intervals: dict[str, list] = defaultdict(list)
+    kernel_us: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
     top: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for names, _outer, _ts, dur, name in assigned["items"]:
+    for names, _outer, _ts, dur, name, ran in assigned["items"]:
         part = UNATTRIBUTED
         if names:
             best = max(range(len(names)), key=lambda i: (priority.get(names[i], 0), i))
             part = names[best]
-        us[part] += dur
+        intervals[part].append((ran, ran + dur))
+        kernel_us[part] += dur
         count[part] += 1
         top[part][name] += dur
-    return {"us": dict(us), "count": dict(count), "top": {k: dict(v) for k, v in top.items()}}
+    return {
+        "us": {part: union_us(iv) for part, iv in intervals.items()},
+        "kernel_us": dict(kernel_us),
+        "count": dict(count),
+        "top": {k: dict(v) for k, v in top.items()},
+    }
 
 
 def by_step(assigned: dict, step: str, glue: str) -> dict:
@@ -204,7 +217,7 @@ def by_step(assigned: dict, step: str, glue: str) -> dict:
     order: list[int] = []
     outside: dict = defaultdict(lambda: [0, 0.0])
     unattributed = [0, 0.0]
-    for names, outer, _ts, dur, name in assigned["items"]:
+    for names, outer, _ts, dur, name, _ran in assigned["items"]:
         if not names:
             unattributed[0] += 1
             unattributed[1] += dur

@@ -101,8 +101,9 @@ def step_events():
 
 def test_split_by_priority_follows_each_kernels_launch():
     split = trace.by_priority(trace.assign_ranges(step_events()), PRIORITY)
+    assert split["kernel_us"]["target"] == 100.0  # both kernels of the graph launched inside it
     assert split["us"] == {
-        "target": 100.0,  # both kernels of the graph launched inside the target range
+        "target": 90.0,  # ... and overlapping by 10 us on the GPU
         "target_logits": 30.0,
         "sampling": 4.0,
         "draft": 34.0,  # its own kernel and the lm_head it called
@@ -121,7 +122,7 @@ def test_equal_priorities_go_to_the_innermost_range():
 def test_unmatched_kernels_are_counted_not_attributed():
     assigned = trace.assign_ranges(step_events())
     assert assigned["unmatched"] == 1 and assigned["device"]
-    assert all(name != "orphan" for _, _, _, _, name in assigned["items"])
+    assert all(name != "orphan" for _, _, _, _, name, _ in assigned["items"])
 
 
 def draft_steps():
@@ -170,3 +171,16 @@ def test_traces_load_from_json_and_gzip(tmp_path):
     newest = trace.newest_trace(tmp_path)
     assert newest is not None and newest.name.startswith(("a.", "b."))
     assert trace.newest_trace(tmp_path, after=newest.stat().st_mtime + 60) is None
+
+
+def test_a_parts_overlapping_kernels_count_once_in_its_time():
+    """Kernels of one part on two streams (the shared experts beside the routed ones) overlap:
+    the part's time is their union, so the parts add up to the busy time; the plain sum of
+    durations is kept beside it."""
+    ev = [rng("target", 0, 100), rng("draft", 200, 300)]
+    ev += launch_and_kernel(1, 10, 50.0) + launch_and_kernel(2, 20, 50.0)  # runs 10_010..10_070
+    ev += launch_and_kernel(3, 210, 30.0)
+    split = trace.by_priority(trace.assign_ranges(ev), PRIORITY)
+    assert split["us"] == {"target": 60.0, "draft": 30.0}
+    assert split["kernel_us"] == {"target": 100.0, "draft": 30.0}
+    assert sum(split["us"].values()) == trace.busy_us(ev)[0]

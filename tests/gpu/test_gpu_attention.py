@@ -1,12 +1,13 @@
 """The attention decision (``vllm_nemotron_spec/attention.py``) on the real device, and the
 backends the engine really runs.
 
-For the bf16 engines (plain, the NVFP4 DSpark draft, the compressed-tensors DFlash draft): the
-plugin's NemotronH config hook decided once, from the device's own compute capability; every
-backend it pinned is the one the worker's attention groups run (target layers in the model
+For the bf16 engines with a routed draft (the NVFP4 DSpark draft, the compressed-tensors DFlash
+draft): the plugin's NemotronH config hook decided once, from the device's own compute capability;
+every backend it pinned is the one the worker's attention groups run (target layers in the model
 runner's groups, draft layers in the speculator's); where it left the choice to vLLM and the
 default is known (Hopper, bf16: FLASH_ATTN with FlashAttention 3, as the decision's reason says),
-the engine runs that.
+the engine runs that. Plain decoding routes no draft: the plugin decides nothing and the engine
+runs vLLM's own choice.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from tests.gpu.checks import expected_attention
 
-ENGINES = ["plain", "dspark_nvfp4", "dflash_ct"]
+ENGINES = ["dspark_nvfp4", "dflash_ct"]
 
 
 def _decision(run):
@@ -62,7 +63,21 @@ def test_engine_runs_the_decided_target_backend(bf16_runs, gpu_session, name):
     )
 
 
-@pytest.mark.parametrize("name", ["dspark_nvfp4", "dflash_ct"])
+def test_plain_decoding_keeps_vllms_backend(bf16_runs, gpu_session):
+    run = bf16_runs["plain"]
+    assert run.extra["attention_decisions"] == [], "the plugin decided attention without a draft"
+    expected = expected_attention(None, gpu_session["capability"], "bfloat16")
+    backends = run.facts.target_backends
+    assert backends, "no target attention layer found in the engine"
+    if expected is None:
+        return  # vLLM's default is not known for this device: recorded only
+    backend, version = expected
+    assert set(backends.values()) == {backend}, backends
+    got = {layer: run.facts.flash_attn_versions.get(layer) for layer in backends}
+    assert set(got.values()) == {version}, f"FlashAttention versions {got}"
+
+
+@pytest.mark.parametrize("name", ENGINES)
 def test_engine_runs_the_decided_draft_backend(bf16_runs, gpu_session, name):
     run = bf16_runs[name]
     _, decision = _decision(run)

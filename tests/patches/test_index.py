@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -55,7 +56,10 @@ def test_installed_after_registration_on_this_vllm_with_every_target_checked():
             assert patches.is_installed(patch.name), (patch.name, state)
             assert "0.32.0" in state
         module = importlib.import_module(f"vllm_nemotron_spec.patches.{patch.name}")
-        assert patches._checked[patch.name] == {t.where for t in module.TARGETS}, patch.name
+        # a target in a module this vLLM does not have (the symbol moved between versions and
+        # the patch follows it) is the only kind left unchecked
+        here = {t.where for t in module.TARGETS if importlib.util.find_spec(t.module)}
+        assert patches._checked[patch.name] == here, patch.name
 
 
 def test_fingerprints_ignore_docstrings_and_formatting_but_not_code():

@@ -175,7 +175,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "draft_group_warning",
-        "kv_cache_utils._warn_if_unannotated_eagle_mamba",
+        "kv_cache_utils / kv_cache_planning._warn_if_unannotated_eagle_mamba",
         False,
         "warns that no KV-cache group is the draft's, about vLLM's own proposers; the plugin's "
         "proposers find every draft layer's group themselves",

@@ -21,7 +21,7 @@ def describe(patch: patches.Patch) -> list[str]:
         try:
             obj = patches._lookup(importlib.import_module(target.module), target.qualname)
             found = patches.fingerprint(getattr(obj, "__wrapped__", obj))
-        except AttributeError as e:
+        except (AttributeError, ModuleNotFoundError) as e:
             if target.absent_upstream:  # allowed: nothing needs the patch there
                 lines.append(f"  absent   {target.where} (not needed: {target.absent_upstream})")
             else:
