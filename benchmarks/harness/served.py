@@ -52,13 +52,6 @@ def launch(model: str, log: Path, args: list[str], speculative: dict | None, plu
     return serve.spawn_server(cmd, log, env, cwd=str(environment.REPO))
 
 
-def served_model(url: str) -> str:
-    status, text = http.get(f"{url}/v1/models")
-    if status != 200:
-        raise http.CompletionError(f"GET {url}/v1/models: HTTP {status}")
-    return json.loads(text)["data"][0]["id"]
-
-
 # ------------------------------------------------------------------------------------------
 # /metrics
 
@@ -344,7 +337,7 @@ def start_set(specs: list[ServerSpec], out: Path, start_timeout: float, record, 
         try:
             serve.wait_ready(s.server, timeout=max(30.0, start_timeout - (time.monotonic() - t0)))
             s.entry["startup_s"] = round(s.server.started_s, 1)
-            s.model = served_model(s.server.url)
+            s.model = http.served_model(s.server.url)
             stream_tokens(s.server.url, s.model, list(range(10, 42)), 8, 300.0)
             s.entry["cache_config"] = snapshot(s.server.url).cache_config
             s.entry["status"] = "running"

@@ -263,13 +263,6 @@ def make_requests(tokenizer_dir: str | Path, size: Size, seed: int = 0) -> list[
 # Running requests
 
 
-def served_model(url: str) -> str:
-    status, text = client.get(f"{url}/v1/models")
-    if status != 200:
-        raise client.CompletionError(f"GET {url}/v1/models: HTTP {status}")
-    return json.loads(text)["data"][0]["id"]
-
-
 def preemption_requests(
     tokenizer_dir: str | Path, size: Size, prompt_tokens: int = 100
 ) -> list[Request]:
@@ -869,7 +862,7 @@ def run(
             "plain": round(plain.started_s, 1),
             method: round(spec.started_s, 1),
         }
-        model = served_model(spec.url)
+        model = client.served_model(spec.url)
         say(
             f"servers up ({report.server_start_s}); load: {len(requests)} requests, "
             f"{size.concurrency} clients"
@@ -879,7 +872,7 @@ def run(
         after = settled_snapshot(spec.url)
         say(f"load done in {report.load_wall_s:.1f} s; reference (each request alone, plain)")
         start = time.perf_counter()
-        expected = run_alone(plain.url, served_model(plain.url), requests)
+        expected = run_alone(plain.url, client.served_model(plain.url), requests)
         report.reference_s = time.perf_counter() - start
         report.load_output_tokens = sum(len(c.token_ids) for c in got)
         report.load_mismatches = mismatches(requests, expected, got)
@@ -907,7 +900,7 @@ def run(
         before = settled_snapshot(spec.url)
         got_b, wall_b = run_concurrent(spec.url, model, burst, size.concurrency)
         after = settled_snapshot(spec.url)
-        expected_b = run_alone(plain.url, served_model(plain.url), burst[:1]) * len(burst)
+        expected_b = run_alone(plain.url, client.served_model(plain.url), burst[:1]) * len(burst)
         report.burst = {
             "requests": len(burst),
             "max_tokens": size.preempt_max_tokens,
@@ -955,7 +948,7 @@ def run(
         report.sampling_differs_from_greedy = any(
             a.token_ids != g.token_ids for a, g in zip(first, greedy)
         )
-        plain_model = served_model(plain.url)
+        plain_model = client.served_model(plain.url)
         p1 = run_sampling(plain.url, plain_model, sreqs)
         p2 = run_sampling(plain.url, plain_model, sreqs)
         report.sampling_identical_plain = all(
@@ -1045,7 +1038,7 @@ def seeded_preemption_check(method: str, blocks: int, workdir: Path, max_tokens:
     )
     try:
         serve.wait_ready(server, timeout=420)
-        model = served_model(server.url)
+        model = client.served_model(server.url)
         s0 = snapshot(server.url)
         first = run_sampling(server.url, model, requests)
         s1 = snapshot(server.url)

@@ -308,9 +308,7 @@ def servers(tiny_family, tmp_path_factory):
             )
         for server in launched.values():
             serve.wait_ready(server, timeout=420)
-            status, text = http.get(f"{server.url}/v1/models")
-            assert status == 200, text
-            server.extra["model"] = json.loads(text)["data"][0]["id"]
+            server.extra["model"] = http.served_model(server.url)
         yield launched
     finally:
         for server in launched.values():

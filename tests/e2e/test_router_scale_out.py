@@ -201,9 +201,7 @@ def servers(tiny_family, trained, tmp_path_factory):
             launched[name].extra["kv_events"] = f"tcp://{serve.HOST}:{events_port}"
         for server in launched.values():
             serve.wait_ready(server, timeout=SERVER_START_S)
-            status, text = http.get(f"{server.url}/v1/models")
-            assert status == 200, text
-            server.extra["model"] = json.loads(text)["data"][0]["id"]
+            server.extra["model"] = http.served_model(server.url)
         yield launched
     finally:
         for server in launched.values():

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_nemotron_spec.bench import client as http
 from vllm_nemotron_spec.bench import server as serve
 
 pytestmark = pytest.mark.engine
@@ -106,7 +107,7 @@ def spec_server(request, tiny_family, plain_launched, tmp_path_factory):
     )
     try:
         serve.wait_ready(server, timeout=420)
-        server.extra["model"] = rel.served_model(server.url)
+        server.extra["model"] = http.served_model(server.url)
         server.extra["kv_blocks"] = rel.kv_blocks(method)
         yield server
     finally:
@@ -116,7 +117,7 @@ def spec_server(request, tiny_family, plain_launched, tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_server(plain_launched):
     serve.wait_ready(plain_launched, timeout=420)
-    plain_launched.extra["model"] = rel.served_model(plain_launched.url)
+    plain_launched.extra["model"] = http.served_model(plain_launched.url)
     return plain_launched
 
 

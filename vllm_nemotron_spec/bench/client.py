@@ -159,6 +159,16 @@ def get_text(url: str, timeout: float = 30.0) -> str:
         ) from None
 
 
+def served_model(url: str, timeout: float = 30.0) -> str:
+    """The first model a server at ``url`` lists under ``/v1/models`` (the name requests use);
+    :class:`BenchError` naming the URL when it answers otherwise or lists none."""
+    data = json.loads(get_text(f"{url}/v1/models", timeout))
+    models = [m.get("id") for m in data.get("data", []) if m.get("id")]
+    if not models:
+        raise BenchError(f"GET {url}/v1/models: the server lists no model")
+    return models[0]
+
+
 def sse_chunks(resp) -> Iterator[dict]:
     """The JSON chunks of an OpenAI-style server-sent-event stream, up to ``data: [DONE]``."""
     for raw in resp:

@@ -4,7 +4,6 @@ spec-decode counters. Timing is measured by the client."""
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ from vllm_nemotron_spec.bench.client import (
     complete,
     get_text,
     read_until_settled,
+    served_model,
     spec_counters_from_metrics,
 )
 from vllm_nemotron_spec.bench.offline import WARMUP_PROMPTS, WARMUP_TOKENS, say
@@ -59,11 +59,7 @@ def parse_server_spec(text: str) -> ServerSpec:
 
 
 def server_model(server: ServerSpec, timeout: float = 30.0) -> str:
-    data = json.loads(get_text(f"{server.url}/v1/models", timeout))
-    models = [m.get("id") for m in data.get("data", []) if m.get("id")]
-    if not models:
-        raise BenchError(f"GET {server.url}/v1/models: the server lists no model")
-    return models[0]
+    return served_model(server.url, timeout)
 
 
 def server_counters(server: ServerSpec, timeout: float = 30.0) -> SpecCounters | None:
