@@ -24,6 +24,10 @@ Weights are counted at their stored width: NVFP4 0.5 bytes a value plus one fp8 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 
 NVFP4_BYTES = 0.5 + 1 / 16
 """Bytes per NVFP4 weight value: a 4-bit code and 1/16 of a float8 block scale."""
@@ -91,40 +95,6 @@ def _state_dtype(name) -> str:
     return name if name in DTYPE_BYTES else "bfloat16"
 
 
-@dataclass(frozen=True)
-class DraftShape:
-    """What the floors need of a DFlash / DSpark draft (read from its config.json)."""
-
-    kind: str  # dflash | dspark
-    hidden: int
-    vocab: int
-    layers: int
-    attn_heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    aux_layers: int
-    markov_rank: int = 0
-    sliding_window: int | None = None
-
-    @classmethod
-    def from_config(cls, config: dict) -> DraftShape:
-        kind = "dspark" if "markov_rank" in config else "dflash"
-        return cls(
-            kind=kind,
-            hidden=config["hidden_size"],
-            vocab=config["vocab_size"],
-            layers=config["num_hidden_layers"],
-            attn_heads=config["num_attention_heads"],
-            kv_heads=config["num_key_value_heads"],
-            head_dim=config["head_dim"],
-            intermediate=config["intermediate_size"],
-            aux_layers=config["num_aux_layers"],
-            markov_rank=config.get("markov_rank") or 0,
-            sliding_window=config.get("sliding_window") if kind == "dspark" else None,
-        )
-
-
 def distinct_experts(experts: int, top_k: int, tokens: int) -> float:
     """Expected number of distinct experts that ``tokens`` tokens touch when each picks ``top_k``
     of ``experts`` uniformly at random (independently per token)."""
@@ -174,22 +144,23 @@ def target_bytes(
 
 
 def draft_bytes(
-    d: DraftShape, batch: int, num_spec: int, context: int, kv_bytes: float
+    d: DraftSpec, batch: int, num_spec: int, context: int, kv_bytes: float
 ) -> dict[str, float]:
-    """Bytes one draft step reads, by component (see the module doc)."""
-    h = d.hidden
-    attn = (h * (d.attn_heads + 2 * d.kv_heads) * d.head_dim + d.attn_heads * d.head_dim * h) * 2
-    mlp = 3 * d.intermediate * h * NVFP4_BYTES
+    """Bytes one draft step reads, by component (see the module doc); ``d``: the draft's parsed
+    config (``checkpoint.spec.DraftSpec``)."""
+    h, heads, kv_heads = d.hidden_size, d.num_attention_heads, d.num_key_value_heads
+    attn = (h * (heads + 2 * kv_heads) * d.head_dim + heads * d.head_dim * h) * 2
+    mlp = 3 * d.intermediate_size * h * NVFP4_BYTES
     window = context if d.sliding_window is None else min(context, d.sliding_window)
-    kv = window * 2 * d.kv_heads * d.head_dim * kv_bytes
+    kv = window * 2 * kv_heads * d.head_dim * kv_bytes
     out = {
-        "fc": h * d.aux_layers * h * NVFP4_BYTES,
-        "layers": d.layers * (attn + mlp),
-        "kv_cache": d.layers * batch * kv,
-        "lm_head": d.vocab * h * 2,
+        "fc": h * len(d.aux_hidden_state_ids) * h * NVFP4_BYTES,
+        "layers": d.num_hidden_layers * (attn + mlp),
+        "kv_cache": d.num_hidden_layers * batch * kv,
+        "lm_head": d.vocab_size * h * 2,
     }
-    if d.kind == "dspark":
-        out["markov_w2"] = num_spec * d.vocab * d.markov_rank * NVFP4_BYTES
+    if d.method == "dspark":
+        out["markov_w2"] = num_spec * d.vocab_size * d.markov_rank * NVFP4_BYTES
     return out
 
 
@@ -207,7 +178,7 @@ def floor_ms(nbytes: float, bandwidth_tbs: float = H200_BANDWIDTH_TBS) -> float:
 
 def step_floors(
     target: TargetShape,
-    draft: DraftShape | None,
+    draft: DraftSpec | None,
     batch: int,
     num_spec: int,
     context: int,

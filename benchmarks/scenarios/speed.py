@@ -39,6 +39,7 @@ from benchmarks.harness.arms import method_of, parse_arms, speculative_config
 from benchmarks.harness.common import Run, add_common_arguments, earlier_entries, kept_entry
 from benchmarks.harness.instrument import TABLE_PARTS
 from benchmarks.harness.models import build_models
+from vllm_nemotron_spec.checkpoint.spec import DraftSpec
 
 NAME = "speed"
 TITLE = "speed: where a decode step goes"
@@ -250,8 +251,8 @@ def run(args) -> int:
     models = build_models(args.models_dir, args.target, args.smoke)
     side = choose_side_by_side(args, models)
     target_cfg = json.loads((Path(models.target) / "config.json").read_text())
-    drafts = {
-        k: json.loads((Path(p) / "config.json").read_text()) for k, p in models.drafts.items()
+    drafts = {  # each draft's config parsed once: the floors read it
+        k: DraftSpec.from_pretrained(p) for k, p in models.drafts.items()
     }
     params = {k: getattr(args, k) for k in ("concurrency", "repeats", "steps", "profile_steps",
               "warmup_steps", "input_len", "target", "bandwidth_tbs")}  # fmt: skip
@@ -357,7 +358,7 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
     context = int(w["context_at_start"] + (w.get("tokens") or 0) / max(1, conc) / 2)
     kv_bytes = 1.0 if args.kv_cache_dtype.startswith("fp8") and not args.smoke else 2.0
     target = floors.TargetShape.from_config(target_cfg, quantized)
-    draft = floors.DraftShape.from_config(drafts[method]) if method else None
+    draft = drafts[method] if method else None
     return floors.step_floors(target, draft, conc, k, context, kv_bytes, args.bandwidth_tbs)
 
 

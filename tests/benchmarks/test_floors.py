@@ -63,15 +63,21 @@ def test_bf16_target_reads_two_bytes_per_value():
     assert b["lm_head"] == a["lm_head"]
 
 
+# hidden 16, vocab 100, 2 layers, 4 heads, 2 KV heads of 4, MLP 32, 3 aux layers, rank 16, window 8
+DRAFT_SIZES = dict(hidden=16, layers=2, heads=4, kv_heads=2, head_dim=4, inter=32, vocab=100,
+                   target_ids=[0, 1, 2], mask=99, window=8, block=4, rank=16)  # fmt: skip
+
+
 def test_draft_bytes_dspark_reads_markov_w2_once_per_draft_and_its_window_only():
-    d = floors.DraftShape(kind="dspark", hidden=16, vocab=100, layers=2, attn_heads=4,
-                          kv_heads=2, head_dim=4, intermediate=32, aux_layers=3, markov_rank=16,
-                          sliding_window=8)  # fmt: skip
+    from tests.draft_configs import dflash_config, dspark_config
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
+
+    d = DraftSpec.from_config(dspark_config(DRAFT_SIZES))
     got = floors.draft_bytes(d, batch=2, num_spec=3, context=100, kv_bytes=1.0)
     assert got["markov_w2"] == pytest.approx(3 * 100 * 16 * floors.NVFP4_BYTES)
     assert got["kv_cache"] == 2 * 2 * (8 * 2 * 2 * 4)  # layers x batch x window only
     assert got["fc"] == pytest.approx(16 * 3 * 16 * floors.NVFP4_BYTES)
-    dflash = floors.DraftShape(**{**d.__dict__, "kind": "dflash", "sliding_window": None})
+    dflash = DraftSpec.from_config(dflash_config(DRAFT_SIZES))
     assert "markov_w2" not in floors.draft_bytes(dflash, 2, 3, 100, 1.0)
 
 

@@ -51,9 +51,11 @@ def entry(tok_s, ms, num_spec=3, busy=4.0, parts=None, decode_only=True):
 @pytest.fixture(scope="module")
 def configs():
     target = models.target_config(models.TINY_SHAPE, quantized=True)
+    from vllm_nemotron_spec.checkpoint.spec import DraftSpec
     from vllm_nemotron_spec.tiny import drafts
 
-    ds = {k: drafts.draft_config(k, hidden_size=128, vocab_size=1024, target_layer_ids=[1, 2, 3, 4, 5, 6])
+    ds = {k: DraftSpec.from_config(drafts.draft_config(k, hidden_size=128, vocab_size=1024,
+                                                       target_layer_ids=[1, 2, 3, 4, 5, 6]))
           for k in ("dflash", "dspark")}  # fmt: skip
     return target, ds
 
