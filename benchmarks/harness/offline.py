@@ -259,7 +259,7 @@ class OfflineEngine:
             out["ranges"] = info.get("ranges")
             out["top_kernels"] = {
                 part: [[name, round(us / 1e3 / steps, 4)] for name, us in
-                       sorted(kernels.items(), key=lambda kv: -kv[1])[:5]]
+                       sorted(kernels.items(), key=lambda kv: -kv[1])[:15]]
                 for part, kernels in split["top"].items()
             }  # fmt: skip
         return out
