@@ -1,8 +1,9 @@
 """Memory floors of one engine step: the bytes each part must read, over the GPU's bandwidth.
 
 A decode step at small batch is bound by memory, not arithmetic, so the least time a part can
-take is the bytes it must read from HBM divided by the bandwidth (4.3 TB/s: what a device copy
-reaches on an H200). Parts, as the speed scenario splits a step:
+take is the bytes it must read from HBM divided by the bandwidth (:func:`bandwidth_for`: 4.3 TB/s,
+what a device copy reaches on an H200, ~90% of its 4.8 TB/s; 3.0 TB/s on an H100 SXM, ~90% of its
+3.35). Parts, as the speed scenario splits a step:
 
 * ``target``: the target's forward over ``T = batch x (k + 1)`` tokens and its lm_head. Per MoE
   block the routed experts that ``T`` tokens touch: with top-``K`` of ``E`` experts and routing
@@ -33,6 +34,17 @@ NVFP4_BYTES = 0.5 + 1 / 16
 """Bytes per NVFP4 weight value: a 4-bit code and 1/16 of a float8 block scale."""
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "nvfp4": NVFP4_BYTES}
 H200_BANDWIDTH_TBS = 4.3
+BANDWIDTH_TBS = {"H200": H200_BANDWIDTH_TBS, "H100": 3.0}
+"""Bandwidth of the floors per GPU (its name as nvidia-smi gives it contains the key)."""
+
+
+def bandwidth_for(gpu_name: str | None) -> tuple[float, str]:
+    """(TB/s, where it comes from) for the GPU named ``gpu_name``: :data:`BANDWIDTH_TBS`, else
+    the H200's, said so."""
+    for key, tbs in BANDWIDTH_TBS.items():
+        if gpu_name and key in gpu_name:
+            return tbs, key
+    return H200_BANDWIDTH_TBS, f"H200's (no figure for {gpu_name or 'this machine'})"
 
 
 @dataclass(frozen=True)

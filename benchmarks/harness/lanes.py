@@ -301,10 +301,17 @@ def _wait_for_build(lanes: Lanes, budget, record, done: set) -> None:
             overdue = time.monotonic() - started > max(60.0, budget.remaining() + 60.0)
             if not lane.ready() and not overdue and lane.proc.is_alive():
                 continue
+            waited = time.monotonic() - started
             try:
                 reply = lane.receive(timeout=5.0)
             except LaneError as exc:
                 reply = {"ok": False, "error": str(exc)}
+                if overdue:  # a start that ran past the budget is stopped, and says so
+                    reply["error"] = (
+                        f"engine start stopped after {waited:.0f} s, past --budget-s (a start "
+                        f"was estimated at ~{budget.start_estimate():.0f} s; --first-start-s "
+                        f"sets the estimate before one is seen): {exc}"
+                    )
             lane.building = False
             arm.info.pop("build_started", None)
             arm.info.update({k: v for k, v in reply.items() if k not in ("ok",)})

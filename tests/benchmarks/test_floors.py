@@ -100,3 +100,11 @@ def test_shapes_from_config_files():
     assert (t.experts, t.top_k, t.shared_intermediate) == (8, 2, 128)
     assert t.pattern.count("E") == 3 and t.ssm_state_dtype == "float32"
     assert math.isclose(floors.DTYPE_BYTES[t.experts_dtype], floors.NVFP4_BYTES)
+
+
+def test_bandwidth_follows_the_gpu_and_says_when_it_guesses():
+    assert floors.bandwidth_for("NVIDIA H200") == (4.3, "H200")
+    assert floors.bandwidth_for("NVIDIA H100 80GB HBM3") == (3.0, "H100")
+    tbs, source = floors.bandwidth_for("NVIDIA A10G")
+    assert tbs == 4.3 and "no figure for NVIDIA A10G" in source
+    assert "no figure for this machine" in floors.bandwidth_for(None)[1]

@@ -136,6 +136,37 @@ def test_an_engine_that_fails_to_start_is_recorded_and_its_pair_is_measured_alon
     assert gs[0][1].status == "ok"
 
 
+def test_a_start_that_runs_past_the_budget_is_stopped_and_says_so(monkeypatch):
+    class Clock:  # every reading is 10 s later: the start never answers
+        now = 0.0
+
+        def monotonic(self):
+            self.now += 10.0
+            return self.now
+
+        def sleep(self, _):
+            pass
+
+    clock = Clock()
+    monkeypatch.setattr(lanes, "time", clock)
+
+    class Stuck(FakeLane):
+        def ready(self):
+            return False
+
+        def receive(self, timeout):
+            raise lanes.LaneError(f"lane {self.name} gave no answer in {timeout:.0f} s (killed)")
+
+    fakes = FakeLanes([])
+    fakes.by_name["alone"] = Stuck("alone", [])
+    only = [[arm("d3-alone")]]
+    budget = Budget(300, 100.0, clock=clock.monotonic)
+    lanes.run_groups(only, fakes, budget, lambda arms: None, lambda a: None, 1)
+    status = only[0][0].status
+    assert status.startswith("error: engine start stopped after ") and "past --budget-s" in status
+    assert "--first-start-s" in status and "gave no answer" in status
+
+
 @pytest.mark.parametrize("text", ["dspark3", "dspark3,plain", "plain,dflash5-plugin"])
 def test_speed_arms_parse_into_groups(text):
     from benchmarks.harness.arms import parse_arms

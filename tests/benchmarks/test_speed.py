@@ -21,8 +21,8 @@ def args(**over):
     ns = argparse.Namespace(
         concurrency=[1], repeats=3, steps=8, profile_steps=4, warmup_steps=2, input_len=16,
         kv_cache_dtype="fp8", smoke=False, bandwidth_tbs=4.3, moe_backend="marlin",
-        prefix_caching=False, engine_arg=[], gpu_memory_utilization=0.9, kv_cache_gib=20.0,
-        side_by_side=None,
+        prefix_caching=False, engine_arg=[], spec_arg=[], gpu_memory_utilization=0.9,
+        kv_cache_gib=20.0, side_by_side=None,
     )  # fmt: skip
     for k, v in over.items():
         setattr(ns, k, v)
@@ -116,6 +116,17 @@ def test_arm_spec_follows_the_recipe_and_the_layout():
     assert "kv_cache_memory_bytes" not in plain["engine"]
     bf16 = models.Models("/t", {}, "bf16", "dummy")
     assert "moe_backend" not in speed.arm_spec("plain", args(), bf16, False)["engine"]
+
+
+def test_spec_arg_reaches_the_draft_arms_only():
+    m = models.Models("/t", {"dspark": "/d", "dflash": "/f"}, "nvfp4", "auto")
+    a = args(spec_arg=['attention_backend="TRITON_ATTN"'])
+    assert speed.arm_spec("dflash5-alone", a, m, False)["speculative"]["attention_backend"] == (
+        "TRITON_ATTN"
+    )
+    assert speed.arm_spec("plain", a, m, False)["speculative"] is None
+    with pytest.raises(SystemExit, match="--spec-arg attention_backend: 'TRITON' is not JSON"):
+        speed.arm_spec("dspark3-plugin", args(spec_arg=["attention_backend=TRITON"]), m, False)
 
 
 @pytest.mark.engine
