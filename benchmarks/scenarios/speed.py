@@ -101,7 +101,9 @@ def defaults(args) -> None:
     args.profile_steps = pick(args.profile_steps, 32, 4)
     args.input_len = pick(args.input_len, 1024, 24)
     if args.bandwidth_tbs is None:
-        args.bandwidth_tbs, args.bandwidth_of = floors.bandwidth_for(environment.versions().get("gpu"))
+        args.bandwidth_tbs, args.bandwidth_of = floors.bandwidth_for(
+            environment.versions().get("gpu")
+        )
     else:
         args.bandwidth_of = "--bandwidth-tbs"
 

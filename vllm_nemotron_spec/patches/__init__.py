@@ -28,6 +28,7 @@ import importlib.abc
 import inspect
 import logging
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Mapping
@@ -211,6 +212,15 @@ PATCHES: tuple[Patch, ...] = (
         on_register=False,
     ),
     Patch(
+        "v2_dflash_inputs_block",
+        "v1.worker.gpu.spec_decode.dflash.speculator.prepare_dflash_inputs",
+        False,
+        "the draft-input launcher pads the graph buffers in tiles as narrow as the batch "
+        "(8 lanes at decode): ~60 us of serial stores per DFlash/DSpark step",
+        "not reported yet; vllm-ascend vectorises its own launcher's padding",
+        "when upstream's padding tile does not depend on the batch",
+    ),
+    Patch(
         "v2_dspark_anchor_ids",
         "DSparkSpeculator._anchor_idx (read)",
         False,
@@ -319,6 +329,38 @@ def _is_docstring(statements: list) -> bool:
         and isinstance(statements[0].value, ast.Constant)
         and isinstance(statements[0].value.value, str)
     )
+
+
+class RewriteMismatch(RuntimeError):
+    """Upstream's function does not have the code a source rewrite changes."""
+
+
+def source_tree(function: Callable, name: str) -> ast.Module:
+    """The syntax tree of ``function`` (a plain module-level function or method named ``name``,
+    not a wrapper) at the line numbers of its file, for a patch that rewrites part of it."""
+    code = getattr(function, "__code__", None)
+    if code is None or hasattr(function, "__wrapped__") or code.co_freevars:
+        raise RewriteMismatch(f"{function!r} is not vLLM's plain {name}")
+    lines, first_line = inspect.getsourcelines(function)
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    ast.increment_lineno(tree, first_line - 1)
+    func = tree.body[0]
+    if not (isinstance(func, ast.FunctionDef) and func.name == name):
+        raise RewriteMismatch(f"source of {function!r} is not a def {name}")
+    return tree
+
+
+def compile_rewrite(function: Callable, tree: ast.Module) -> Callable:
+    """``tree`` (``function``'s rewritten source) compiled in ``function``'s module globals and
+    under its file name, so that tracebacks point at vLLM's file."""
+    ast.fix_missing_locations(tree)
+    namespace: dict[str, Any] = {}
+    code = compile(tree, function.__code__.co_filename, "exec", dont_inherit=True)
+    exec(code, sys.modules[function.__module__].__dict__, namespace)
+    rewritten = namespace[tree.body[0].name]
+    rewritten.__qualname__ = function.__qualname__
+    rewritten.__doc__ = function.__doc__
+    return rewritten
 
 
 def check_target(target: Target, obj: Any) -> tuple[bool, str]:

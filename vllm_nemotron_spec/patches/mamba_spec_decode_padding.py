@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import ast
 import functools
-import inspect
 import textwrap
 from typing import Any, Callable
 
-from vllm_nemotron_spec.patches import Target
+from vllm_nemotron_spec.patches import RewriteMismatch, Target, compile_rewrite, source_tree
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
 TARGET_CLASS = "Scheduler"
@@ -57,8 +56,7 @@ PADDING_CONDITION = """(
 NO_PAD_WITHOUT_PRIOR_STATE = "not (self.has_mamba_layers and num_computed_tokens == 0)"
 
 
-class PatchMismatch(RuntimeError):
-    """Upstream's ``schedule`` does not have what this patch rewrites."""
+PatchMismatch = RewriteMismatch  # upstream's ``schedule`` lacks what this patch rewrites
 
 
 def _expr(source: str) -> ast.expr:
@@ -84,20 +82,13 @@ def rewritten_source_tree(function: Callable) -> ast.Module:
 
     Raises ``PatchMismatch`` when ``function`` is not a plain function or the padding condition
     does not occur exactly once."""
-    code = getattr(function, "__code__", None)
-    if code is None or hasattr(function, "__wrapped__") or code.co_freevars:
-        raise PatchMismatch(f"{function!r} is not vLLM's plain Scheduler.schedule")
-    lines, first_line = inspect.getsourcelines(function)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    ast.increment_lineno(tree, first_line - 1)
+    tree = source_tree(function, TARGET_METHOD)
     func = tree.body[0]
-    if not (isinstance(func, ast.FunctionDef) and func.name == TARGET_METHOD):
-        raise PatchMismatch(f"source of {function!r} is not a def {TARGET_METHOD}")
     matches = find_padding_ifs(func)
     if len(matches) != 1:
         raise PatchMismatch(
             f"upstream's spec-decode padding condition found {len(matches)} times in "
-            f"{code.co_filename} (expected once): review {__name__}"
+            f"{function.__code__.co_filename} (expected once): review {__name__}"
         )
     node = matches[0]
     clause = _expr(NO_PAD_WITHOUT_PRIOR_STATE)
@@ -111,17 +102,7 @@ def rewritten_source_tree(function: Callable) -> ast.Module:
 def rewrite_schedule(function: Callable) -> Callable:
     """``function`` (vLLM's ``Scheduler.schedule``) recompiled from ``rewritten_source_tree``, in
     its module's globals, under its file name."""
-    import sys
-
-    tree = rewritten_source_tree(function)
-    namespace: dict[str, Any] = {}
-    module_globals = sys.modules[function.__module__].__dict__
-    code = compile(tree, function.__code__.co_filename, "exec", dont_inherit=True)
-    exec(code, module_globals, namespace)
-    patched = namespace[TARGET_METHOD]
-    patched.__qualname__ = function.__qualname__
-    patched.__doc__ = function.__doc__
-    return patched
+    return compile_rewrite(function, rewritten_source_tree(function))
 
 
 def no_padding_without_prior_state(scheduler: Any) -> bool:
