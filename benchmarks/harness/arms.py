@@ -1,13 +1,23 @@
-"""The arms every scenario compares: ``plain`` (no speculation) and, per draft (``dspark3``,
-``dspark7``, ``dflash5``), vLLM alone (``-alone``: ``VLLM_PLUGINS=""``) and the plugin
+"""The arms every scenario compares: ``plain`` (no speculation) and, per draft and drafted-token
+count (``dspark3``, ``dspark7`` and ``dflash5`` are NVIDIA's operating points; any
+``dspark<k>`` / ``dflash<k>``), vLLM alone (``-alone``: ``VLLM_PLUGINS=""``) and the plugin
 (``-plugin``), with synthetic acceptance at NVIDIA's rates."""
 
 from __future__ import annotations
 
+import re
+
 from benchmarks.harness.models import acceptance_rates
 
 DRAFTS = {"dspark3": ("dspark", 3), "dspark7": ("dspark", 7), "dflash5": ("dflash", 5)}
+DRAFT_ARM = re.compile(r"(dspark|dflash)([1-9][0-9]?)")
 SIDES = ("alone", "plugin")
+
+
+def draft_of(token: str) -> tuple[str, int] | None:
+    """(method, drafted tokens) of a draft name such as ``dspark5``; None for anything else."""
+    match = DRAFT_ARM.fullmatch(token)
+    return (match.group(1), int(match.group(2))) if match else None
 
 
 def parse_arms(text: str) -> list[list[str]]:
@@ -18,11 +28,12 @@ def parse_arms(text: str) -> list[list[str]]:
         draft, _, side = token.partition("-")
         if token == "plain":
             groups.append(["plain"])
-        elif draft in DRAFTS and side in ("", *SIDES):
+        elif draft_of(draft) and side in ("", *SIDES):
             groups.append([f"{draft}-{s}" for s in SIDES] if not side else [token])
         else:
-            raise SystemExit(f"--arms: unknown arm {token!r}; choose plain or one of "
-                             f"{list(DRAFTS)} with an optional -alone / -plugin")  # fmt: skip
+            raise SystemExit(f"--arms: unknown arm {token!r}; choose plain or a draft with its "
+                             f"drafted tokens, e.g. {', '.join(DRAFTS)} (dspark<k>, dflash<k>), "
+                             "with an optional -alone / -plugin")  # fmt: skip
     seen = [a for g in groups for a in g]
     if len(seen) != len(set(seen)):
         raise SystemExit(f"--arms names an arm twice: {seen}")
@@ -31,7 +42,7 @@ def parse_arms(text: str) -> list[list[str]]:
 
 def method_of(name: str) -> tuple[str | None, int]:
     """(speculative method, drafted tokens) of an arm; (None, 0) for plain."""
-    return DRAFTS[name.split("-")[0]] if name != "plain" else (None, 0)
+    return draft_of(name.split("-")[0]) if name != "plain" else (None, 0)
 
 
 def uses_plugin(name: str) -> bool:

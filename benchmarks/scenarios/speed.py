@@ -51,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_common_arguments(p)
     p.add_argument("--arms", default=None,
                    help=f"comma-separated, measured in this order (default {DEFAULT_ARMS}): plain, "
-                   "a draft (dspark3, dspark7, dflash5: vLLM alone and the plugin side by side) or "
-                   "one side of it (dspark3-alone, dspark3-plugin)")  # fmt: skip
+                   "a draft with its drafted tokens (dspark3, dspark7, dflash5, any dspark<k> / "
+                   "dflash<k>: vLLM alone and the plugin side by side) or one side of it "
+                   "(dspark3-alone, dspark3-plugin)")  # fmt: skip
     p.add_argument("--concurrency", default=None, help="comma-separated (default 1,4,16)")
     p.add_argument("--repeats", type=int, default=None, help="wall windows per cell (default 3)")
     p.add_argument("--steps", type=int, default=None, help="steps per wall window (default 128)")

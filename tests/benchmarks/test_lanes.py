@@ -177,10 +177,21 @@ def test_speed_arms_parse_into_groups(text):
     assert len(flat) == len(set(flat))
 
 
+def test_any_drafted_token_count_is_an_arm():
+    from benchmarks.harness.arms import method_of, parse_arms
+
+    assert parse_arms("dspark5-plugin,dflash2") == [
+        ["dspark5-plugin"],
+        ["dflash2-alone", "dflash2-plugin"],
+    ]
+    assert method_of("dspark5-plugin") == ("dspark", 5) and method_of("plain") == (None, 0)
+
+
 def test_speed_arms_refuse_unknown_names():
     from benchmarks.harness.arms import parse_arms
 
-    with pytest.raises(SystemExit, match="unknown arm 'dspark4'"):
-        parse_arms("dspark4")
+    for name in ("dspark0", "eagle3", "dspark", "dspark4-both", "dflash100"):
+        with pytest.raises(SystemExit, match=f"unknown arm '{name}'"):
+            parse_arms(name)
     with pytest.raises(SystemExit, match="names an arm twice"):
         parse_arms("dspark3,dspark3-plugin")
