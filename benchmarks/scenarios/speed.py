@@ -17,7 +17,9 @@ past prefill, then a window of decode steps is measured:
   outside any range), each kernel given to its launch's range through the correlation id.
 
 Derived: host gap = wall - GPU-busy per step; each part's floor = the bytes it must read per step
-at ``--bandwidth-tbs`` (``harness/floors.py``). Ratios pair repeat k of the plugin with repeat k of
+at ``--bandwidth-tbs`` (``harness/floors.py``); a second table, the ceiling of what the plugin
+controls: per plugin arm, its speed over vLLM alone with the draft step at its floor, and the
+draft step the goal (1.10x at concurrency 1, 1.05x elsewhere) needs. Ratios pair repeat k of the plugin with repeat k of
 vLLM alone (same prompts, same request seeds: the same drafts accepted): median [min-max].
 
 Process layout: an ``alone`` lane and a ``plugin`` lane; with ``--side-by-side`` (default when the
@@ -407,7 +409,52 @@ def tables(result: dict, target_cfg: dict, drafts: dict, quantized: bool, args) 
             continue
         for conc in args.concurrency:
             table.add(*row(name, entry, conc, arms, target_cfg, drafts, quantized, args))
-    return [table]
+    ceiling = ceiling_table(arms, target_cfg, drafts, quantized, args)
+    return [table] + ([ceiling] if ceiling.rows else [])
+
+
+GOALS = {1: 1.10}  # the plugin over vLLM alone: 1.10x at concurrency 1, 1.05x elsewhere
+CEILING_COLUMNS = [
+    "arm", "conc", "goal x alone", "vLLM alone ms/step", "plugin ms/step", "plugin draft ms",
+    "draft floor ms", "x alone with the draft at its floor", "draft ms the goal needs",
+]  # fmt: skip
+CEILING_NOTES = [
+    "What the plugin controls is the draft step. With every other part of the plugin's step as "
+    "measured (wall - draft) and the draft step at its floor, the plugin would run at most "
+    "vLLM alone's wall / that step; the goal needs the draft step at or below vLLM alone's "
+    "wall / goal - (the plugin's wall - its draft step) (shown with its multiple of the floor; "
+    "below the floor: out of reach of any draft step). Medians of the wall windows; the draft "
+    "step from the split window.",
+]
+
+
+def ceiling_table(arms: dict, target_cfg: dict, drafts: dict, quantized: bool, args):
+    """The ceiling of what the plugin controls, per plugin arm paired with vLLM alone."""
+    table = report.Table(
+        "The ceiling of the draft step (plugin over vLLM alone)", list(CEILING_COLUMNS),
+        notes=list(CEILING_NOTES),
+    )  # fmt: skip
+    for name, entry in arms.items():
+        alone = arms.get(name.replace("-plugin", "-alone")) if name.endswith("-plugin") else None
+        if not alone:
+            continue
+        for conc in args.concurrency:
+            wall_p = report.median(w["ms_per_step"] for w in windows(entry, "wall", conc))
+            wall_a = report.median(w["ms_per_step"] for w in windows(alone, "wall", conc))
+            draft = part_ms(next(iter(windows(entry, "split", conc)), None), "draft")
+            fl = floors_for(name, entry, conc, target_cfg, drafts, quantized, args)
+            floor = ((fl or {}).get("draft") or {}).get("floor_ms")
+            if None in (wall_p, wall_a, draft, floor) or not floor:
+                continue
+            goal = GOALS.get(conc, 1.05)
+            rest = wall_p - draft
+            need = wall_a / goal - rest
+            table.add(
+                name, conc, f"{goal:.2f}", report.fmt(wall_a), report.fmt(wall_p),
+                report.fmt(draft), report.fmt(floor), f"{wall_a / (rest + floor):.3f}",
+                f"{need:.2f} ({need / floor:.2f}x floor)" if need > 0 else "out of reach",
+            )  # fmt: skip
+    return table
 
 
 def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:

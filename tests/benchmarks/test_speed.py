@@ -73,7 +73,7 @@ def test_table_rows_pair_repeats_and_split_the_step(configs):
             "plain": entry([50, 50, 50], [5.0, 5.0, 5.0], num_spec=0, busy=4.5),
         },
     }
-    (table,) = speed.tables(result, *configs, True, args())
+    table, _ceiling = speed.tables(result, *configs, True, args())
     rows = {r[0]: dict(zip(table.columns, r)) for r in table.rows}
     plugin = rows["dspark3-plugin"]
     assert plugin["tok/s [range]"] == "110 [90-125]"
@@ -89,6 +89,32 @@ def test_table_rows_pair_repeats_and_split_the_step(configs):
     assert rows["plain"]["x alone"] == "" and rows["plain"]["checks"] == "ok"
     assert rows["plain"]["floor target / draft / sampling ms"].split(" / ")[1] == "-"
     assert rows["dspark3-alone"]["x alone"] == ""
+
+
+def test_ceiling_table_puts_the_draft_step_at_its_floor(configs):
+    parts = {"target": 6.0, "draft": 2.0}
+    result = {
+        "models": {"target_kind": "nvfp4"},
+        "arms": {
+            "dspark3-alone": entry([100] * 3, [10.0] * 3),
+            "dspark3-plugin": entry([100] * 3, [9.0, 9.5, 8.5], parts=parts),
+            "plain": entry([50] * 3, [5.0] * 3, num_spec=0),
+        },
+    }  # fmt: skip
+    a = args()
+    _, ceiling = speed.tables(result, *configs, True, a)
+    floor = speed.floors_for("dspark3-plugin", result["arms"]["dspark3-plugin"], 1, *configs,
+                             True, a)["draft"]["floor_ms"]  # fmt: skip
+    ((name, conc, goal, alone, plugin, draft, fl, best, need),) = ceiling.rows
+    assert (name, conc, goal, alone, plugin, draft) == (
+        "dspark3-plugin", "1", "1.10", "10.00", "9.00", "2.00",
+    )  # fmt: skip
+    assert best == f"{10.0 / (7.0 + floor):.3f}"  # 9.00 - 2.00 of the step stays
+    assert need.startswith(f"{10.0 / 1.10 - 7.0:.2f} (")  # 2.09 ms
+    # a plugin step whose rest alone misses the goal: no draft step can reach it
+    result["arms"]["dspark3-plugin"] = entry([100] * 3, [12.0] * 3, parts=parts)
+    _, ceiling = speed.tables(result, *configs, True, a)
+    assert ceiling.rows[0][-1] == "out of reach"
 
 
 def test_an_arm_without_windows_shows_its_status(configs):
