@@ -17,10 +17,11 @@ past prefill, then a window of decode steps is measured:
   outside any range), each kernel given to its launch's range through the correlation id.
 
 Derived: host gap = wall - GPU-busy per step; each part's floor = the bytes it must read per step
-at ``--bandwidth-tbs`` (``harness/floors.py``); a second table, the ceiling of what the plugin
-controls: per plugin arm, its speed over vLLM alone with the draft step at its floor, and the
-draft step the goal (1.10x at concurrency 1, 1.05x elsewhere) needs. Ratios pair repeat k of the plugin with repeat k of
-vLLM alone (same prompts, same request seeds: the same drafts accepted): median [min-max].
+at ``--bandwidth-tbs`` (``harness/floors.py``). Ratios pair repeat k of the plugin with repeat k of
+vLLM alone (same prompts, same request seeds: the same drafts accepted): median [min-max]. A
+second table gives the ceiling of what the plugin controls: per plugin arm, its speed over vLLM
+alone with the draft step at its floor, and the draft step the goal (1.10x at concurrency 1,
+1.05x elsewhere) needs.
 
 Process layout: an ``alone`` lane and a ``plugin`` lane; with ``--side-by-side`` (default when the
 GPU holds two engines) a draft's two engines are resident together and their windows interleave,
