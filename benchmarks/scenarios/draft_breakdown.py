@@ -301,7 +301,7 @@ def run(args) -> int:
     models = build_models(args.models_dir, args.target, smoke)
     ns = argparse.Namespace(**vars(args), profile_steps=args.steps, kv_cache_dtype="fp8",
                             moe_backend="marlin", prefix_caching=False, kv_cache_gib=20.0,
-                            engine_arg=["enforce_eager=true"])  # fmt: skip
+                            engine_arg=["enforce_eager=true"], spec_arg=[])  # fmt: skip
     result = {"scenario": NAME, "setup": run_.setup, "arms": {},
               "params": {"concurrency": args.concurrency, "steps": args.steps,
                          "input_len": args.input_len, "bandwidth_tbs": args.bandwidth_tbs}}  # fmt: skip
