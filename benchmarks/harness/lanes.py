@@ -298,10 +298,10 @@ def _wait_for_build(lanes: Lanes, budget, record, done: set) -> None:
                 continue
             arm = lane.held
             started = arm.info.get("build_started", time.monotonic())
-            overdue = time.monotonic() - started > max(60.0, budget.remaining() + 60.0)
+            waited = time.monotonic() - started
+            overdue = waited > max(60.0, budget.remaining() + 60.0)
             if not lane.ready() and not overdue and lane.proc.is_alive():
                 continue
-            waited = time.monotonic() - started
             try:
                 reply = lane.receive(timeout=5.0)
             except LaneError as exc:

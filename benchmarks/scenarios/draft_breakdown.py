@@ -74,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-steps", type=int, default=4)
     p.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 1024)")
     p.add_argument("--target", choices=("nvfp4", "bf16"), default="nvfp4")
-    p.add_argument("--bandwidth-tbs", type=float, default=floors.H200_BANDWIDTH_TBS)
+    p.add_argument("--bandwidth-tbs", type=float, default=None,
+                   help="HBM bandwidth of the floors (default by GPU: harness/floors.py)")  # fmt: skip
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
 
 
@@ -298,6 +299,8 @@ def run(args) -> int:
     if "plain" in names:
         raise SystemExit("--arms: plain decoding has no draft step")
     run_ = Run(NAME, args)
+    if args.bandwidth_tbs is None:
+        args.bandwidth_tbs, _ = floors.bandwidth_for(run_.setup.get("gpu"))
     models = build_models(args.models_dir, args.target, smoke)
     ns = argparse.Namespace(**vars(args), profile_steps=args.steps, kv_cache_dtype="fp8",
                             moe_backend="marlin", prefix_caching=False, kv_cache_gib=20.0,

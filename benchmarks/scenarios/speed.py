@@ -38,7 +38,7 @@ import os
 from pathlib import Path
 
 from benchmarks.harness import environment, floors, lanes, offline, report
-from benchmarks.harness.arms import method_of, parse_arms, speculative_config
+from benchmarks.harness.arms import alone_twin, method_of, parse_arms, speculative_config
 from benchmarks.harness.common import Run, add_common_arguments, earlier_entries, kept_entry
 from benchmarks.harness.instrument import TABLE_PARTS
 from benchmarks.harness.models import build_models
@@ -104,12 +104,6 @@ def defaults(args) -> None:
     args.steps = pick(args.steps, 128, 6)
     args.profile_steps = pick(args.profile_steps, 32, 4)
     args.input_len = pick(args.input_len, 1024, 24)
-    if args.bandwidth_tbs is None:
-        args.bandwidth_tbs, args.bandwidth_of = floors.bandwidth_for(
-            environment.versions().get("gpu")
-        )
-    else:
-        args.bandwidth_of = "--bandwidth-tbs"
 
 
 def engine_overrides(items: list[str], option: str = "--engine-arg") -> dict:
@@ -263,6 +257,9 @@ def run(args) -> int:
     defaults(args)
     groups = parse_arms(args.arms)
     run_ = Run(NAME, args)
+    args.bandwidth_of = "--bandwidth-tbs"
+    if args.bandwidth_tbs is None:  # the GPU as the run's setup facts name it
+        args.bandwidth_tbs, args.bandwidth_of = floors.bandwidth_for(run_.setup.get("gpu"))
     models = build_models(args.models_dir, args.target, args.smoke)
     side = choose_side_by_side(args, models)
     target_cfg = json.loads((Path(models.target) / "config.json").read_text())
@@ -436,7 +433,7 @@ def ceiling_table(arms: dict, target_cfg: dict, drafts: dict, quantized: bool, a
         notes=list(CEILING_NOTES),
     )  # fmt: skip
     for name, entry in arms.items():
-        alone = arms.get(name.replace("-plugin", "-alone")) if name.endswith("-plugin") else None
+        alone = arms.get(alone_twin(name) or "")
         if not alone:
             continue
         for conc in args.concurrency:
@@ -463,7 +460,7 @@ def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:
     busy = next(iter(windows(entry, "busy", conc)), None)
     split = next(iter(windows(entry, "split", conc)), None)
     tok_s = by_repeat(walls, "tok_s", args.repeats)
-    alone = arms.get(name.replace("-plugin", "-alone")) if name.endswith("-plugin") else None
+    alone = arms.get(alone_twin(name) or "")
     plain = arms.get("plain") if name != "plain" else None
     wall_ms = report.median(w["ms_per_step"] for w in walls)
     busy_ms = busy.get("busy_ms_per_step") if busy else None
