@@ -16,15 +16,20 @@ from dataclasses import dataclass, field
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def set_cpu_engine_defaults(*models: str | None) -> None:
-    """Environment for the in-process engine on CPU; a user's own settings win. Offline (no Hub
-    request at all) only when every model given is a local directory: a Hub id must stay
-    downloadable."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def set_engine_defaults(*models: str | None) -> None:
+    """Environment for the commands' engines; a user's own settings win. Offline (no Hub request
+    at all) only when every model given is a local directory: a Hub id must stay downloadable.
+    On CPU the engine runs in-process with a 1 GiB KV cache (the small-model settings); on a GPU
+    its core keeps vLLM's own process, so that releasing an engine frees its GPU memory for the
+    next one (``tune`` starts one per k; an in-process engine keeps its weights held)."""
     if all(m is None or os.path.isdir(m) for m in models):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 @dataclass

@@ -381,13 +381,41 @@ def _progress_line(what: str, t0: float):
     return report
 
 
+TOKENIZER_SPECIALS = ("<pad>", "<s>", "</s>")
+"""Ids 0, 1, 2 of the targets' tokenizer: NemotronH's ``pad_token_id``, ``bos_token_id`` and
+``eos_token_id``."""
+
+
+def write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of exactly ``vocab_size`` tokens (``<pad>``, ``<s>``, ``</s>``,
+    then ``w3``, ``w4``, ...), so that the target is a whole checkpoint: what starts an engine
+    with a tokenizer (``vllm-nemotron-spec tune``) starts on it, and every id the random weights
+    produce decodes. Text outside the vocabulary encodes to ``<pad>``; the token ids, not the
+    text, are what a benchmark needs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    pad, bos, eos = TOKENIZER_SPECIALS
+    vocab = {t: i for i, t in enumerate(TOKENIZER_SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(vocab), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=pad))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": pad,
+              "bos_token": bos, "eos_token": eos, "unk_token": pad,
+              "model_max_length": 1 << 20}  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
 def build_target(directory: Path, shape: LightningShape, quantized: bool, pools=None) -> dict:
     """Write the target (config only when not ``quantized``: vLLM's dummy loader fills it);
     reused when its stamp matches."""
     stamp = {"builder": BUILDER_VERSION, "shape": asdict(shape), "quantized": quantized}
     if _stamp_matches(directory, stamp):
         print(f"models: reusing the target in {directory}", flush=True)
-        return json.loads((directory / "config.json").read_text())
+        config = json.loads((directory / "config.json").read_text())
+        if not (directory / "tokenizer.json").is_file():
+            write_tokenizer(directory, config["vocab_size"])
+        return config
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "build.json").unlink(missing_ok=True)
     for old in directory.glob("*.safetensors*"):
@@ -400,6 +428,7 @@ def build_target(directory: Path, shape: LightningShape, quantized: bool, pools=
         print(f"models: writing the NVFP4 target ({total:.1f} GB) to {directory}", flush=True)
         st.write_sharded(directory, entries, SHARD_BYTES, _progress_line("target", t0))
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer(directory, config["vocab_size"])
     (directory / "build.json").write_text(json.dumps(stamp, indent=1) + "\n")
     print(f"models: target ready in {time.monotonic() - t0:.0f} s", flush=True)
     return config

@@ -58,9 +58,9 @@ def run(args) -> int:
     if run_.device == "cuda":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
     else:
-        from vllm_nemotron_spec.runs import set_cpu_engine_defaults
+        from vllm_nemotron_spec.runs import set_engine_defaults
 
-        set_cpu_engine_defaults()
+        set_engine_defaults()
     from vllm_nemotron_spec.tiny.build import ensure_tiny_family
     from vllm_nemotron_spec.tiny.corpus import sample_prompts
     from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts

@@ -137,6 +137,25 @@ def test_a_rebuild_is_skipped_while_the_stamp_matches(tiny_target, capsys):
     assert "reusing the target" in capsys.readouterr().out
 
 
+def test_the_target_carries_a_tokenizer_of_its_whole_vocabulary(tiny_target):
+    """What starts an engine with a tokenizer (``tune``) starts on the benchmark target: every id
+    the random weights can produce decodes, and the special ids are the config's."""
+    from transformers import AutoTokenizer
+
+    directory, config, _ = tiny_target
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    assert len(tok) == config["vocab_size"]
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (
+        config["pad_token_id"], config["bos_token_id"], config["eos_token_id"],
+    )  # fmt: skip
+    last = config["vocab_size"] - 1
+    assert tok.decode([3, last]) == f"w3 w{last}"
+    assert tok.encode("w7 unknown", add_special_tokens=False) == [7, config["pad_token_id"]]
+    (directory / "tokenizer.json").unlink()  # an older build without one gains it on reuse
+    models.build_target(directory, models.TINY_SHAPE, True)
+    assert len(AutoTokenizer.from_pretrained(str(directory))) == config["vocab_size"]
+
+
 def test_drafts_follow_the_official_layout():
     from vllm_nemotron_spec.checkpoint import layout
     from vllm_nemotron_spec.tiny import drafts

@@ -9,7 +9,7 @@ from vllm_nemotron_spec import runs
 
 if __name__ == "__main__":
     job = json.loads(sys.argv[1])
-    runs.set_cpu_engine_defaults()
+    runs.set_engine_defaults()
     llm = runs.make_llm(job["model"], job.get("speculative_config"), max_num_seqs=4)
     result = runs.generate(
         llm, [{"prompt_token_ids": p} for p in job["prompts"]], job["max_tokens"], "run"

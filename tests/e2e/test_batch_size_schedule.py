@@ -70,7 +70,7 @@ def _generate(llm, prompts, max_tokens=MAX_TOKENS):
 
 @pytest.fixture(scope="module")
 def plain(tiny_family, prompts):
-    runs.set_cpu_engine_defaults()
+    runs.set_engine_defaults()
     llm = runs.make_llm(str(tiny_family.target), enable_prefix_caching=False)
     try:
         return _generate(llm, prompts)[0]

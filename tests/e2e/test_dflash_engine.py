@@ -83,7 +83,7 @@ def _draft_norms_context_keys_per_layer(llm) -> bool:
 @pytest.fixture(scope="module")
 def results(tiny_family, trained, prompts):
     """One engine per configuration; each returns tokens, counters and what vLLM loaded."""
-    runs.set_cpu_engine_defaults()
+    runs.set_engine_defaults()
     out = {}
     configs = {
         "plain": None,

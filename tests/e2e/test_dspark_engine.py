@@ -53,7 +53,7 @@ def _as_pytorch_bin(draft, out):
 
 @pytest.fixture(scope="module")
 def results(tiny_family, trained, prompts, tmp_path_factory):
-    runs.set_cpu_engine_defaults()
+    runs.set_engine_defaults()
     out = {}
     llm = runs.make_llm(str(tiny_family.target))
     try:

@@ -24,7 +24,7 @@ from vllm_nemotron_spec.tiny.corpus import sample_prompts
 from vllm_nemotron_spec.tiny.tokenizer import load_tokenizer
 
 job = json.loads(sys.argv[1])
-runs.set_cpu_engine_defaults()
+runs.set_engine_defaults()
 tok = load_tokenizer(job["tokenizer"])
 prompts = [{{"prompt_token_ids": tok.encode(p).ids}} for p in sample_prompts()[:3]]
 for name, spec, *kwargs in job["runs"]:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.engine
 
 
 def test_ngram_on_a_hybrid_target_keeps_a_joining_one_token_prompt_exact(tiny_family):
-    runs.set_cpu_engine_defaults()
+    runs.set_engine_defaults()
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     llm = runs.make_llm(str(tiny_family.target), spec, max_num_seqs=4, enable_prefix_caching=False)
     try:

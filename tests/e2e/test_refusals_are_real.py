@@ -55,7 +55,7 @@ def test_a_refused_fc_shape_fails_loading_without_the_check_too(
 ):
     draft = _wrong_fc_draft(trained.dspark, tmp_path / "wrong-fc")
     spec = _dspark(draft)
-    runs.set_cpu_engine_defaults()
+    runs.set_engine_defaults()
     with pytest.raises(
         Exception, match=r"Nemotron 3\.5 draft .*`fc.weight`: found U8 \[128, 376\]"
     ):
@@ -75,7 +75,7 @@ PROMPTS = [{"prompt_token_ids": [1, 5, 17, 300, 9, 33]}]
 def _refused_then_unchecked(target, spec, problem, monkeypatch):
     """The plugin refuses ``spec`` at start-up with the one target problem ``problem`` (a regex);
     afterwards the draft-against-target check finds nothing."""
-    runs.set_cpu_engine_defaults()
+    runs.set_engine_defaults()
     with pytest.raises(Exception, match=r"Nemotron 3\.5 draft .*target config: " + problem) as info:
         runs.make_llm(str(target), spec)  # vLLM wraps it in its config error
     assert str(info.value).count("target config:") == 1, repr(info.value)

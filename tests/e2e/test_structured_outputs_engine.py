@@ -85,7 +85,7 @@ def _generate(llm, prompts, params) -> tuple[list[Output], runs.SpecCounters]:
 @pytest.fixture(scope="module")
 def results(tiny_family, trained):
     """{(backend, method): EngineRun} for method in plain, dflash, dspark."""
-    runs.set_cpu_engine_defaults()
+    runs.set_engine_defaults()
     out = {}
     for backend in BACKENDS:
         guides = g.guides(backend)

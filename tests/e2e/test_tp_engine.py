@@ -84,7 +84,7 @@ def _probe_markov_head(worker, token_ids):
 @pytest.fixture(scope="module")
 def results(tiny_family, trained, prompts):
     """One engine per (TP size, method), each freed before the next is built."""
-    runs.set_cpu_engine_defaults()
+    runs.set_engine_defaults()
     drafts = {"dflash": trained.dflash, "dspark": trained.dspark}
     out = {}
     for tp in (1, TP):

@@ -49,7 +49,7 @@ def _run(tiny_family, prompts, name: str, draft):
     """Tokens, spec-decode counters and the draft's quantization method of one engine (cached for
     the module: each configuration starts one engine)."""
     if name not in _cache:
-        runs.set_cpu_engine_defaults()
+        runs.set_engine_defaults()
         spec = None
         if draft is not None:
             spec = {

@@ -214,9 +214,9 @@ def build_report(args) -> dict:
 
     import os
 
-    from vllm_nemotron_spec.runs import set_cpu_engine_defaults
+    from vllm_nemotron_spec.runs import set_engine_defaults
 
-    set_cpu_engine_defaults(model, *(m.draft for m in methods))
+    set_engine_defaults(model, *(m.draft for m in methods))
     # vLLM logs to stdout by default; keep stdout for the report (and --json parseable).
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     with vllm_log_level(None if args.verbose else "WARNING"):

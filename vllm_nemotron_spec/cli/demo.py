@@ -130,10 +130,10 @@ def run_demo(
 ) -> dict:
     """Run the demo and return the JSON-able report (see README for the fields); ``verbose``:
     vLLM's warnings too (else :func:`plugin_warnings_only`)."""
-    from vllm_nemotron_spec.runs import set_cpu_engine_defaults
+    from vllm_nemotron_spec.runs import set_engine_defaults
     from vllm_nemotron_spec.tiny.build import build_tiny_family, ensure_tiny_family
 
-    set_cpu_engine_defaults()
+    set_engine_defaults()
     # The family first: a --family-dir that cannot be written is refused before vLLM loads.
     family = (
         build_tiny_family(family_dir, seed=seed) if family_dir else ensure_tiny_family(seed=seed)

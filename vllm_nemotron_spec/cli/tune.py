@@ -229,9 +229,9 @@ def measure(args, plan, prompt_set) -> dict:
     from vllm_nemotron_spec.bench.offline import engine_defaults
     from vllm_nemotron_spec.bench.tune import TuneError, run_tune, tune_report
     from vllm_nemotron_spec.cli.bench import _platform_name, vllm_log_level
-    from vllm_nemotron_spec.runs import set_cpu_engine_defaults
+    from vllm_nemotron_spec.runs import set_engine_defaults
 
-    set_cpu_engine_defaults()
+    set_engine_defaults(plan.target, plan.draft)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the report
     with vllm_log_level(None if args.verbose else "WARNING"):
         import vllm
