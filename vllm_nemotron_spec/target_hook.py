@@ -176,10 +176,13 @@ def needed_patches(vllm_config: Any, cpu: bool) -> list[str]:
     needed = []
     if cpu and vllm_config.cache_config.enable_prefix_caching:
         needed += CPU_PREFIX_CACHING_FIXES
-    if vllm_config.speculative_config is not None:
+    spec_config = vllm_config.speculative_config
+    if spec_config is not None:
         needed += SPEC_DECODE_FIXES
         if cpu:
             needed += CPU_SPEC_DECODE_FIXES
+        elif getattr(spec_config, "num_speculative_tokens_per_batch_size", None):
+            needed.append("mamba_schedule_graph_capture")  # CUDA graphs for each k
     return needed
 
 

@@ -1,0 +1,92 @@
+"""A per-batch-size speculation schedule served with CUDA graphs on a hybrid target, vLLM 0.33.
+
+With ``num_speculative_tokens_per_batch_size`` the V2 runner captures a full CUDA graph per k of
+the schedule; vLLM's Mamba metadata builder refuses the capture of any k below
+``num_speculative_tokens`` and the engine does not start. With the plugin's
+``patches/mamba_schedule_graph_capture.py`` the fp32 DFlash and DSpark engines of the tiny family
+start with full graphs, the batch shrinks 4 -> 3 -> 2 -> 1 through every k of the schedule (0
+included), and the tokens equal plain decoding's (also with CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from tests.gpu import drafts
+from tests.gpu.engines import V2_RUNNER, engine, engine_facts
+from vllm_nemotron_spec import patches
+
+BLOCK = 4
+SCHEDULE = [[1, 1, 4], [2, 2, 2], [3, 3, 0], [4, 16, 1]]
+LOOKUP = {1: 4, 2: 2, 3: 0, 4: 1}  # batch size -> k, read off SCHEDULE by hand
+MAX_TOKENS = (12, 24, 40, 72)  # per prompt: the batch is 4, 3, 2, then 1 request
+GRAPHS = dict(enforce_eager=False)
+
+
+@contextlib.contextmanager
+def recorded_schedule(llm):
+    """(batch size, k asked of the drafter) of every scheduler step of the in-process engine."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    original, steps = scheduler.schedule, []
+
+    def schedule(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if out.num_scheduled_tokens:
+            steps.append((len(out.num_scheduled_tokens), out.num_spec_tokens_to_schedule))
+        return out
+
+    scheduler.schedule = schedule
+    try:
+        yield steps
+    finally:
+        scheduler.schedule = original
+
+
+def _generate(llm, prompts):
+    from vllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate(prompts[: len(MAX_TOKENS)], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_family, prompts):
+    with engine(tiny_family.target, None, "float32", **GRAPHS) as llm:
+        return _generate(llm, prompts)
+
+
+@pytest.fixture(scope="module", params=["dflash", "dspark"])
+def scheduled(request, tiny_family, trained, prompts, tmp_path_factory):
+    method = request.param
+    twins = drafts.unquantized_twins(trained, tiny_family, tmp_path_factory.mktemp("twins"))
+    spec = {"method": method, "model": str(twins[method]), "num_speculative_tokens": BLOCK,
+            "num_speculative_tokens_per_batch_size": SCHEDULE}  # fmt: skip
+    with engine(tiny_family.target, spec, "float32", **GRAPHS) as llm:
+        config = llm.llm_engine.vllm_config.compilation_config
+        with recorded_schedule(llm) as steps:
+            tokens = _generate(llm, prompts)
+        return dict(method=method, tokens=tokens, steps=steps, facts=engine_facts(llm),
+                    full_graphs=config.cudagraph_mode.has_full_cudagraphs())  # fmt: skip
+
+
+def test_the_engine_starts_with_full_graphs_on_the_v2_runner(scheduled):
+    assert patches.is_installed("mamba_schedule_graph_capture"), patches.state(
+        "mamba_schedule_graph_capture"
+    )
+    assert scheduled["facts"].runner == V2_RUNNER
+    assert scheduled["full_graphs"]
+
+
+def test_every_k_of_the_schedule_ran(scheduled):
+    asked = {(batch, k) for batch, k in scheduled["steps"]}
+    assert {(b, LOOKUP[b]) for b in LOOKUP} <= asked, asked
+    assert all(k == LOOKUP[min(batch, 4)] for batch, k in asked), asked
+
+
+def test_tokens_equal_plain_decoding(scheduled, plain):
+    bad = [i for i, (a, b) in enumerate(zip(plain, scheduled["tokens"])) if a != b]
+    assert not bad, f"{scheduled['method']}: prompts {bad} differ from plain decoding"
+    assert [len(t) for t in scheduled["tokens"]] == list(MAX_TOKENS)
