@@ -28,11 +28,13 @@ mkdir -p "$DIR" || exit 1
 COMMIT=${GPU_TESTS_COMMIT:-$(git rev-parse --short HEAD 2> /dev/null || echo "unknown (set GPU_TESTS_COMMIT)")}
 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$DIR/pip.log" 2>&1 \
   || { cat "$DIR/pip.log"; exit 1; }
-timeout "${GPU_TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/gpu \
+# SIGINT at the deadline: pytest stops like on Ctrl-C and still writes its report of what ran;
+# unbuffered, so the log keeps every line printed before it.
+PYTHONUNBUFFERED=1 timeout -s INT -k 20 "${GPU_TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/gpu \
   --junitxml="$DIR/gpu-tests.xml" -o junit_suite_name=gpu-tests 2>&1 | tee "$DIR/gpu-tests.log"
 rc=${PIPESTATUS[0]}
 if [ -f "$DIR/gpu-tests.xml" ]; then
-  "$PYTHON" -m tests.gpu.checks "$DIR/gpu-tests.xml" "$COMMIT" | tee "$DIR/gpu-tests-summary.txt"
+  "$PYTHON" -m tests.gpu.checks "$DIR/gpu-tests.xml" "$COMMIT" "$rc" | tee "$DIR/gpu-tests-summary.txt"
 else
   echo "GPU TESTS FAIL: no JUnit report (pytest exit $rc); $(date -u '+%F %H:%M UTC'); commit $COMMIT" \
     | tee "$DIR/gpu-tests-summary.txt"

@@ -183,6 +183,14 @@ def test_summary_line_says_verdict_counts_date_commit_device():
         JUNIT.format(e=0, f=0, s=31, t=31), date="d", commit="c", device=""
     )
     assert skipped.startswith("GPU TESTS FAIL: 0 passed")  # nothing ran: not a pass
+    stopped = checks.summary_line(
+        JUNIT.format(e=0, f=0, s=0, t=31), date="d", commit="c", device="", stopped=True
+    )
+    assert stopped.startswith("GPU TESTS INCOMPLETE (stopped at the deadline): 31 passed")
+    stopped_failed = checks.summary_line(
+        JUNIT.format(e=0, f=1, s=0, t=31), date="d", commit="c", device="", stopped=True
+    )
+    assert stopped_failed.startswith("GPU TESTS FAIL: 30 passed, 1 failed")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the run without a CUDA GPU")

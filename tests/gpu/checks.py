@@ -237,28 +237,37 @@ def junit_counts(xml_text: str) -> dict[str, float]:
     return counts
 
 
-def summary_line(xml_text: str, *, date: str, commit: str, device: str) -> str:
-    """One line: verdict, counts, time, date, commit, device (what the docs record)."""
+def summary_line(
+    xml_text: str, *, date: str, commit: str, device: str, stopped: bool = False
+) -> str:
+    """One line: verdict, counts, time, date, commit, device (what the docs record). A run
+    ``stopped`` at its deadline is INCOMPLETE unless something already failed: what it did not
+    reach was not checked."""
     c = junit_counts(xml_text)
     passed = int(c["tests"] - c["failures"] - c["errors"] - c["skipped"])
     ok = c["failures"] == 0 and c["errors"] == 0 and passed > 0
+    verdict = "PASS" if ok else "FAIL"
+    if ok and stopped:
+        verdict = "INCOMPLETE (stopped at the deadline)"
     return (
-        f"GPU TESTS {'PASS' if ok else 'FAIL'}: {passed} passed, {int(c['failures'])} failed, "
+        f"GPU TESTS {verdict}: {passed} passed, {int(c['failures'])} failed, "
         f"{int(c['errors'])} errors, {int(c['skipped'])} skipped in {c['time']:.0f} s; "
         f"{date}; commit {commit}; {device}"
     )
 
 
 def main(argv: list[str]) -> int:
-    """``python3 -m tests.gpu.checks JUNIT_XML COMMIT``: print the summary line (date in UTC,
-    the CUDA device's name)."""
+    """``python3 -m tests.gpu.checks JUNIT_XML COMMIT [PYTEST_EXIT]``: print the summary line
+    (date in UTC, the CUDA device's name); exit status 124 (``timeout``'s) or 2 (pytest
+    interrupted) marks a run stopped at its deadline."""
     import time
     from pathlib import Path
 
-    if len(argv) != 2:
-        print("usage: python3 -m tests.gpu.checks JUNIT_XML COMMIT", file=sys.stderr)
+    if len(argv) not in (2, 3):
+        print("usage: python3 -m tests.gpu.checks JUNIT_XML COMMIT [PYTEST_EXIT]", file=sys.stderr)
         return 2
-    xml_path, commit = argv
+    xml_path, commit = argv[:2]
+    stopped = len(argv) == 3 and argv[2] in ("124", "2")
     try:
         import torch
 
@@ -266,7 +275,10 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # noqa: BLE001 - the line must still be printed
         device = f"device unknown ({type(exc).__name__})"
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(summary_line(Path(xml_path).read_text(), date=date, commit=commit, device=device))
+    line = summary_line(
+        Path(xml_path).read_text(), date=date, commit=commit, device=device, stopped=stopped
+    )
+    print(line)
     return 0
 
 
