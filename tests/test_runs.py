@@ -8,9 +8,7 @@ from vllm_nemotron_spec import runs
 def test_a_hub_model_stays_downloadable_and_local_models_run_offline(monkeypatch, tmp_path):
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(key, raising=False)
-    runs.set_engine_defaults(
-        str(tmp_path), "nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-NVFP4"
-    )
+    runs.set_engine_defaults(str(tmp_path), "nvidia/NVIDIA-Nemotron-3.5-Lightning-30B-A3B-NVFP4")
     import os
 
     assert "HF_HUB_OFFLINE" not in os.environ and "TRANSFORMERS_OFFLINE" not in os.environ
@@ -19,8 +17,8 @@ def test_a_hub_model_stays_downloadable_and_local_models_run_offline(monkeypatch
 
 
 def test_the_engine_runs_in_process_on_cpu_and_in_its_own_process_on_a_gpu(monkeypatch):
-    """On a GPU a released in-process engine keeps its weights held, so ``tune``'s next engine
-    (one per k) would not fit: there the engine core keeps vLLM's own process."""
+    """On a GPU the engine core keeps vLLM's own process, as served (a released in-process
+    engine would also keep its weights held)."""
     import os
 
     from vllm.platforms import current_platform

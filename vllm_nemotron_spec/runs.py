@@ -20,8 +20,8 @@ def set_engine_defaults(*models: str | None) -> None:
     """Environment for the commands' engines; a user's own settings win. Offline (no Hub request
     at all) only when every model given is a local directory: a Hub id must stay downloadable.
     On CPU the engine runs in-process with a 1 GiB KV cache (the small-model settings); on a GPU
-    its core keeps vLLM's own process, so that releasing an engine frees its GPU memory for the
-    next one (``tune`` starts one per k; an in-process engine keeps its weights held)."""
+    its core keeps vLLM's own process, as served: steps are timed as a server runs them, and a
+    released engine frees its GPU memory (an in-process one keeps its weights held)."""
     if all(m is None or os.path.isdir(m) for m in models):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -178,7 +178,7 @@ def _measurements(sampled=None):
     acceptance = {"greedy": greedy}
     if sampled is not None:
         acceptance["sampled"] = sampled
-    return tune.Measurements(acceptance, timings, 12.5, {0: 1.0, 1: 2.0, 2: 2.0})
+    return tune.Measurements(acceptance, timings, 12.5, 4.5)
 
 
 class _Prompts:
@@ -279,21 +279,39 @@ def test_progress_eta(capsys):
     ]
 
 
-def test_engine_order_measures_acceptance_first():
-    assert _plan(ks=(0, 1, 2, 3)).engine_order == [3, 0, 1, 2]
+def test_the_largest_k_is_measured_first():
+    assert _plan(ks=(0, 1, 2, 3)).k_order == [3, 0, 1, 2]
 
 
-def test_each_k_is_measured_as_a_schedule_serves_it():
-    """The whole block (the largest k) drafted, k verified at every measured batch size."""
+def test_one_engine_starts_with_every_measured_k_in_its_schedule():
+    """The whole block (the largest k) drafted; every measured k in the start-up schedule, so the
+    runner captures its graphs; vLLM's dense lookup of that schedule holds exactly those k."""
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
     plan = _plan(ks=(0, 2, 5), speculative_extra={"attention_backend": "FLASH_ATTN"})
-    for k in plan.ks:
-        assert plan.speculative_config(k) == {
-            "method": "dspark",
-            "model": "/d",
-            "attention_backend": "FLASH_ATTN",
-            "num_speculative_tokens": 5,
-            "num_speculative_tokens_per_batch_size": [[1, 8, k]],
-        }
+    config = plan.speculative_config()
+    assert config == {
+        "method": "dspark",
+        "model": "/d",
+        "attention_backend": "FLASH_ATTN",
+        "num_speculative_tokens": 5,
+        "num_speculative_tokens_per_batch_size": [[1, 1, 0], [2, 2, 2], [3, 8, 5]],
+    }
+    lookup = build_dynamic_sd_schedule_lookup(
+        config["num_speculative_tokens_per_batch_size"], plan.max_num_seqs, 5
+    )
+    assert set(lookup[1:]) == {0, 2, 5}
+
+
+def test_more_k_than_batch_sizes_get_a_slot_each():
+    """A grid smaller than the number of k: the engine gets a request slot per k (its schedule
+    must name each k at some batch size), and keeps a larger max_num_seqs it was given."""
+    plan = _plan(ks=(0, 1, 2, 3), batch_sizes=(1, 2))
+    assert plan.max_num_seqs == 4
+    assert plan.speculative_config()["num_speculative_tokens_per_batch_size"] == [
+        [1, 1, 0], [2, 2, 1], [3, 3, 2], [4, 4, 3]
+    ]  # fmt: skip
+    assert _plan(engine_kwargs={"max_num_seqs": 32}).max_num_seqs == 32
 
 
 def test_a_smaller_served_block_is_said():

@@ -258,7 +258,7 @@ TUNE_BATCHES = (1, 2)
 def test_tune_measures_every_batch_size_and_k(tuned):
     report = tuned.report
     assert tuned.code == 0, tuned.stderr[-2000:]
-    assert report["schema"] == "vllm-nemotron-spec.tune/1"
+    assert report["schema"] == "vllm-nemotron-spec.tune/2"
     assert report["ks"] == list(TUNE_KS) and report["batch_sizes"] == list(TUNE_BATCHES)
     cells = {(m["batch"], m["k"]): m for m in report["measurements"]}
     assert set(cells) == {(b, k) for b in TUNE_BATCHES for k in TUNE_KS}
@@ -303,9 +303,9 @@ def test_tune_derives_rates_and_schedule_from_its_measurements(tuned):
 
 
 def test_tune_reports_progress_with_an_eta(tuned):
-    """One line per engine start and per measurement, numbered, each with an ETA."""
+    """One line for the engine start and one per measurement, numbered, each with an ETA."""
     lines = [line for line in tuned.stderr.splitlines() if line.startswith("tune [")]
-    total = len(TUNE_KS) * (1 + len(TUNE_BATCHES)) + 2  # starts, timings, acceptance x 2
+    total = 1 + len(TUNE_KS) * len(TUNE_BATCHES) + 2  # the start, timings, acceptance x 2
     assert [line.split("]")[0] for line in lines] == [
         f"tune [{i}/{total}" for i in range(1, total + 1)
     ]
@@ -323,3 +323,37 @@ def test_the_tuned_schedule_serves_plain_decodings_tokens(tuned, tiny_family, pr
         runs.release(llm)
     assert tokens == plain
     assert counters.num_drafts > 0
+
+
+# --------------------------------------------------------------------------------------------
+# A running engine's k, set from the client (patches/engine_core_spec_tokens.py), with the engine
+# core in vLLM's own process as on a GPU: tune's one engine for every k.
+
+
+def test_the_k_of_a_running_engine_is_set_in_its_engine_core_process(
+    tiny_family, trained, prompts, plain, monkeypatch
+):
+    from vllm_nemotron_spec.patches.engine_core_spec_tokens import set_engine_num_spec_tokens
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    spec = {"method": "dspark", "model": str(trained.dspark), "num_speculative_tokens": 2,
+            "num_speculative_tokens_per_batch_size": [[1, 1, 0], [2, 16, 2]]}  # fmt: skip
+    llm = runs.make_llm(str(tiny_family.target), spec, enable_prefix_caching=False)
+    try:
+        assert type(llm.llm_engine.engine_core).__name__ == "SyncMPClient"
+        n = MAX_TOKENS[-1]
+        one = [prompts[-1]]  # a batch of one: the schedule it started with says k = 0
+        started = _generate(llm, one, (n,))
+        assert set_engine_num_spec_tokens(llm, 2) == [0, 2]
+        forced = _generate(llm, one, (n,))
+        with pytest.raises(Exception, match=r"k=1 is not in the engine's schedule"):
+            set_engine_num_spec_tokens(llm, 1)
+        set_engine_num_spec_tokens(llm, None)
+        restored = _generate(llm, one, (n,))
+    finally:
+        runs.release(llm)
+    for tokens, _ in (started, forced, restored):
+        assert tokens == [plain[-1]]
+    assert started[1].num_draft_tokens == 0 and restored[1].num_draft_tokens == 0
+    assert forced[1].num_drafts > 0
+    assert forced[1].num_draft_tokens == 2 * forced[1].num_drafts

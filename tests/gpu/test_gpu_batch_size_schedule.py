@@ -5,7 +5,8 @@ the schedule; vLLM's Mamba metadata builder refuses the capture of any k below
 ``num_speculative_tokens`` and the engine does not start. With the plugin's
 ``patches/mamba_schedule_graph_capture.py`` the fp32 DFlash and DSpark engines of the tiny family
 start with full graphs, the batch shrinks 4 -> 3 -> 2 -> 1 through every k of the schedule (0
-included), and the tokens equal plain decoding's (also with CUDA graphs).
+included), and the tokens equal plain decoding's (also with CUDA graphs); so do they with each k
+of the schedule set for every batch size of the running engine (``tune``'s measurements).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from tests.gpu import drafts
 from tests.gpu.engines import V2_RUNNER, engine, engine_facts
 from vllm_nemotron_spec import patches
+from vllm_nemotron_spec.patches.engine_core_spec_tokens import set_engine_num_spec_tokens
 
 BLOCK = 4
 SCHEDULE = [[1, 1, 4], [2, 2, 2], [3, 3, 0], [4, 16, 1]]
@@ -73,8 +75,16 @@ def scheduled(request, tiny_family, trained, prompts, tmp_path_factory):
         config = llm.llm_engine.vllm_config.compilation_config
         with recorded_schedule(llm) as steps:
             tokens = _generate(llm, prompts)
+        # tune's one engine for every k: each k of the schedule set for every batch size
+        forced = {}
+        for k in sorted(set(LOOKUP.values())):
+            set_engine_num_spec_tokens(llm, k)
+            with recorded_schedule(llm) as forced_steps:
+                forced[k] = (_generate(llm, prompts), {s[1] for s in forced_steps})
+        set_engine_num_spec_tokens(llm, None)
         return dict(method=method, tokens=tokens, steps=steps, facts=engine_facts(llm),
-                    full_graphs=config.cudagraph_mode.has_full_cudagraphs())  # fmt: skip
+                    full_graphs=config.cudagraph_mode.has_full_cudagraphs(),
+                    forced=forced)  # fmt: skip
 
 
 def test_the_engine_starts_with_full_graphs_on_the_v2_runner(scheduled):
@@ -95,3 +105,11 @@ def test_tokens_equal_plain_decoding(scheduled, plain):
     bad = [i for i, (a, b) in enumerate(zip(plain, scheduled["tokens"])) if a != b]
     assert not bad, f"{scheduled['method']}: prompts {bad} differ from plain decoding"
     assert [len(t) for t in scheduled["tokens"]] == list(MAX_TOKENS)
+
+
+def test_each_k_set_on_the_running_engine_runs_alone_and_exact(scheduled, plain):
+    """``tune``'s measurements: every k of the schedule set for every batch size of the running
+    engine (patches/engine_core_spec_tokens.py), replayed from its captured graphs."""
+    for k, (tokens, asked) in scheduled["forced"].items():
+        assert asked == {k}, (k, asked)
+        assert tokens == plain, f"{scheduled['method']}, k={k}: tokens differ from plain decoding"

@@ -61,7 +61,7 @@ def test_upstream_fails_a_scheduled_k_below_the_block_and_the_patch_captures_it(
     assert calls == []
     rewritten = patch.any_scheduled_k_capture(_upstream())
     assert rewritten(builder, _uniform_decode(4, 1 + k)) == "metadata"
-    (prefix, kwargs), = calls
+    ((prefix, kwargs),) = calls
     assert prefix == 0
     # each request's rows are its accepted count at capture: 1 + k, as the decode kernels read
     assert kwargs["num_accepted_tokens"].tolist() == [1 + k] * 4

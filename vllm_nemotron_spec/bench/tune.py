@@ -1,14 +1,16 @@
 """``tune``: measure a draft's acceptance and the engine's decode step time per (batch size, k) on
 this machine, and choose the per-batch-size speculation schedule that maximises output tokens/s.
 
-Every engine is configured as a schedule serves it: vLLM (V2) and the plugin's V1 proposers draft
+The engine is configured as a schedule serves it: vLLM (V2) and the plugin's V1 proposers draft
 the whole block of ``num_speculative_tokens`` every step and verify the first k (k = 0: no query
-pass, the draft only stores the new tokens' context). So each k is measured in an engine with
-``num_speculative_tokens`` = the largest k measured (the block) and a one-range schedule
-``[[1, max_batch, k]]``: one engine per k, one after another in this process, every batch size
-measured in it. Acceptance (vLLM's per-position accepted counters) is measured once, in the
-engine with the largest k, on the user's prompts: the first k drafts of a step do not depend on
-k, so one measurement gives ``E[accepted | k]`` for every k (``bench.schedule``).
+pass, the draft only stores the new tokens' context). One engine measures every k: it starts
+with ``num_speculative_tokens`` = the largest k measured (the block) and a schedule naming every
+measured k (so the runner captures a CUDA graph for each), and each measurement sets the k of
+the running engine for every batch size (``patches/engine_core_spec_tokens.py``), exactly what
+an engine serving the one-range schedule ``[[1, max_batch, k]]`` runs. Acceptance (vLLM's
+per-position accepted counters) is measured once, at the largest k, on the user's prompts: the
+first k drafts of a step do not depend on k, so one measurement gives ``E[accepted | k]`` for
+every k (``bench.schedule``).
 
 A step time is the median of the gaps between vLLM's engine-core timestamps of consecutive
 decode steps in which exactly B requests were in flight: B requests with equal, long
@@ -36,7 +38,7 @@ from vllm_nemotron_spec.bench.schedule import (
 )
 from vllm_nemotron_spec.runs import SpecCounters
 
-SCHEMA = "vllm-nemotron-spec.tune/1"
+SCHEMA = "vllm-nemotron-spec.tune/2"
 
 SCATTER_LIMIT = 0.25
 """A (batch, k) point whose step-time quartiles lie further apart than this share of the median
@@ -70,21 +72,32 @@ class TunePlan:
         """The drafted block of every measuring engine: the largest k measured."""
         return max(self.ks)
 
-    def speculative_config(self, k: int) -> dict:
-        """The engine that measures k: the whole block drafted, k verified at every batch size
-        (k = 0: nothing drafted, the context stored), as a schedule serves k."""
+    @property
+    def max_num_seqs(self) -> int:
+        """The engine's request slots: the largest batch measured, and at least one batch size
+        per measured k (the start-up schedule gives each k its own)."""
+        asked = self.engine_kwargs.get("max_num_seqs") or 0
+        return max(asked, max(self.batch_sizes), len(self.ks))
+
+    def speculative_config(self) -> dict:
+        """The measuring engine: the whole block drafted, and a schedule naming every measured
+        k, the block over the largest batch sizes (the runner captures a CUDA graph for each k
+        of the schedule; each measurement then sets one k for every batch size)."""
+        rest = sorted(k for k in self.ks if k != self.block)
+        ranges = [[i + 1, i + 1, k] for i, k in enumerate(rest)]
+        ranges.append([len(rest) + 1, self.max_num_seqs, self.block])
         return {
             "method": self.method,
             "model": self.draft,
             **self.speculative_extra,
             "num_speculative_tokens": self.block,
-            "num_speculative_tokens_per_batch_size": [[1, max(self.batch_sizes), k]],
+            "num_speculative_tokens_per_batch_size": ranges,
         }
 
     @property
-    def engine_order(self) -> list[int]:
+    def k_order(self) -> list[int]:
         """The largest k first (it also measures acceptance, so a draft that cannot run fails
-        before the other engines), then the others ascending."""
+        before any timing), then the others ascending."""
         top = max(self.ks)
         return [top] + sorted(k for k in self.ks if k != top)
 
@@ -390,32 +403,36 @@ class Measurements:
     acceptance: dict[str, SpecCounters]  # "greedy", and "sampled" with a temperature
     timings: list[StepTiming]
     seconds: float
-    engine_start_s: dict[int, float]
+    engine_start_s: float  # the one engine's start and first warm-up
 
 
 def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measurements:
-    """Start one engine per k (:attr:`TunePlan.engine_order`), measure, release it."""
+    """Start the measuring engine, then for each k (:attr:`TunePlan.k_order`) set it on the
+    running engine and time every batch size; release the engine."""
+    from vllm_nemotron_spec import patches
+    from vllm_nemotron_spec.patches.engine_core_spec_tokens import PATCH, set_engine_num_spec_tokens
     from vllm_nemotron_spec.runs import make_llm, release
 
     start = time.perf_counter()
     runs = 2 if plan.temperature > 0 else 1
-    meter = Progress(len(plan.ks), len(plan.ks) * len(plan.batch_sizes) + runs, progress)
-    out = Measurements({}, [], 0.0, {})
-    prompt_ids: list[list[int]] | None = None
-    for k in plan.engine_order:
-        label = f"{plan.method} block {plan.block}, k={k}" + (" (no drafts)" if k == 0 else "")
-        meter.say(f"tune: starting the engine for {label}")
-        t0 = time.perf_counter()
-        llm = make_llm(plan.target, plan.speculative_config(k), **plan.engine_kwargs)
-        try:
-            if prompt_ids is None:
-                tokenizer = llm.get_tokenizer()
-                prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
+    meter = Progress(1, len(plan.ks) * len(plan.batch_sizes) + runs, progress)
+    out = Measurements({}, [], 0.0, 0.0)
+    label = f"{plan.method} block {plan.block}"
+    meter.say(f"tune: starting the engine for {label}, k {', '.join(map(str, plan.k_order))}")
+    kwargs = {**plan.engine_kwargs, "max_num_seqs": plan.max_num_seqs}
+    llm = make_llm(plan.target, plan.speculative_config(), **kwargs)
+    try:
+        patches.require("tune (one engine for every k)", PATCH)  # vLLM registered the plugin
+        tokenizer = llm.get_tokenizer()
+        prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
+        for i, k in enumerate(plan.k_order):
+            set_engine_num_spec_tokens(llm, k)
             warm_up(llm, prompt_ids, max(plan.batch_sizes), k)
-            out.engine_start_s[k] = time.perf_counter() - t0
-            meter.done("start", out.engine_start_s[k], f"engine for {label} started, warmed up")
-            if k == max(plan.ks):
-                _measure_acceptance_runs(llm, prompt_ids, plan, label, meter, out)
+            name = f"{label}, k={k}" + (" (no drafts)" if k == 0 else "")
+            if i == 0:
+                out.engine_start_s = time.perf_counter() - start
+                meter.done("start", out.engine_start_s, f"engine for {label} started, warmed up")
+                _measure_acceptance_runs(llm, prompt_ids, plan, name, meter, out)
             for b in plan.batch_sizes:
                 t0 = time.perf_counter()
                 timing = time_decode_steps(llm, prompt_ids, b, k, plan)
@@ -423,11 +440,11 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
                 meter.done(
                     "measure",
                     time.perf_counter() - t0,
-                    f"{label}, batch {b}: step {1000 * timing.median_s:.2f} ms (median of "
+                    f"{name}, batch {b}: step {1000 * timing.median_s:.2f} ms (median of "
                     f"{len(timing.seconds)}), {timing.tokens_per_step:.2f} tokens/step",
                 )
-        finally:
-            release(llm)
+    finally:
+        release(llm)
     out.seconds = time.perf_counter() - start
     return out
 
@@ -509,7 +526,7 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
             [t.batch, t.k] for t in sorted(m.timings, key=lambda t: (t.batch, t.k)) if t.scattered
         ],
         "seconds": round(m.seconds, 2),
-        "engine_start_s": {str(k): round(s, 2) for k, s in sorted(m.engine_start_s.items())},
+        "engine_start_s": round(m.engine_start_s, 2),
     }
 
 

@@ -15,8 +15,8 @@ inclusive ranges, and prints the --speculative-config that serves the schedule
       --max-batch 64 --out schedule.json --plot tune.png
   vllm serve TARGET --speculative-config "$(cat schedule.json)"
 
-One engine per k (at most block size + 1 engine starts), each run as a schedule serves that k:
-the whole block drafted every step, k tokens verified; every batch size is measured in it.
+One engine measures every k, each as a schedule serves it: the whole block drafted every
+step, k tokens verified (the k is set on the running engine between measurements).
 Prompt files: JSONL with "prompt" / "text" / "question" (GSM8K) / "turns" (MT-Bench, first turn).
 Exit status 0 on success, 1 when an engine or a measurement failed, 2 for a bad option, prompt
 file or target/draft pair (before any engine starts). More: docs/tune.md.

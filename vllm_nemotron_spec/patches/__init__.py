@@ -231,6 +231,15 @@ PATCHES: tuple[Patch, ...] = (
         "when upstream's Mamba capture accepts every 1 + k of the schedule",
     ),
     Patch(
+        "engine_core_spec_tokens",
+        "v1.engine.core.EngineCore.nemotron_spec_set_num_spec_tokens (added)",
+        False,
+        "tune measures every k in one engine: k is fixed per batch size at engine start, and "
+        "an engine start per k took most of tune's time",
+        "vLLM has no runtime control of the schedule; none requested",
+        "when vLLM can change a running engine's schedule",
+    ),
+    Patch(
         "v2_dspark_anchor_ids",
         "DSparkSpeculator._anchor_idx (read)",
         False,
