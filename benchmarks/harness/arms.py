@@ -66,3 +66,13 @@ def speculative_config(name: str, drafts: dict, synthetic: bool) -> dict | None:
         rates, _, _ = acceptance_rates(method, k)
         sc.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)
     return sc
+
+
+def k_at(speculative: dict | None, num_spec: int, conc: int) -> int:
+    """The drafts verified per step at ``conc`` requests: ``num_spec``, or under a per-batch-size
+    schedule in ``speculative`` (``num_speculative_tokens_per_batch_size``, e.g. from ``tune``)
+    the k vLLM takes at that batch size."""
+    from vllm_nemotron_spec.bench.schedule import k_for_batch
+
+    ranges = (speculative or {}).get("num_speculative_tokens_per_batch_size")
+    return k_for_batch(ranges, conc, num_spec) if ranges else num_spec

@@ -32,7 +32,7 @@ import time
 import zlib
 from pathlib import Path
 
-from benchmarks.harness import instrument, trace
+from benchmarks.harness import arms, instrument, trace
 
 MAX_PREFILL_STEPS = 256
 PROFILED = ("busy", "split", "draft")
@@ -154,7 +154,8 @@ class OfflineEngine:
         finally:
             self._drain(ids)
         counted, shapes = measured["steps"], measured["shapes"]
-        expected = f"{conc}x{conc * (self.num_spec + 1)}"
+        k = arms.k_at(self.arm.get("speculative"), self.num_spec, conc)  # a schedule's k at conc
+        expected = f"{conc}x{conc * (k + 1)}"
         wall, tokens, spec = measured["wall_s"], measured["tokens"], measured["spec"]
         out = {
             "kind": kind, "conc": conc, "repeat": repeat, "steps": counted, "step_calls": steps,

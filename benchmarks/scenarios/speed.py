@@ -38,7 +38,7 @@ import os
 from pathlib import Path
 
 from benchmarks.harness import environment, floors, lanes, offline, report
-from benchmarks.harness.arms import alone_twin, method_of, parse_arms, speculative_config
+from benchmarks.harness.arms import alone_twin, k_at, method_of, parse_arms, speculative_config
 from benchmarks.harness.common import Run, add_common_arguments, earlier_entries, kept_entry
 from benchmarks.harness.instrument import TABLE_PARTS
 from benchmarks.harness.models import build_models
@@ -364,7 +364,8 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
     walls = windows(entry, "wall", conc)
     if not walls:
         return None
-    k = (entry.get("fingerprint") or {}).get("spec", {}).get("num_spec", 0)
+    spec = (entry.get("fingerprint") or {}).get("spec", {})
+    k = k_at(spec.get("speculative"), spec.get("num_spec", 0), conc)
     method = method_of(name)[0]
     w = walls[len(walls) // 2]
     context = int(w["context_at_start"] + (w.get("tokens") or 0) / max(1, conc) / 2)

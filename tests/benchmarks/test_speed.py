@@ -155,6 +155,24 @@ def test_spec_arg_reaches_the_draft_arms_only():
         speed.arm_spec("dspark3-plugin", args(spec_arg=["attention_backend=TRITON"]), m, False)
 
 
+def test_a_scheduled_arm_is_checked_and_floored_at_the_k_of_each_concurrency(configs):
+    """tune's schedule served by a draft arm (``--spec-arg num_speculative_tokens_per_batch_size``):
+    at each concurrency the expected decode shape and the floors take the schedule's k."""
+    from benchmarks.harness.arms import k_at
+
+    ranges = [[1, 1, 7], [2, 15, 5], [16, 64, 3]]
+    sc = {"num_speculative_tokens_per_batch_size": ranges}
+    assert [k_at(sc, 7, c) for c in (1, 4, 16, 64, 128)] == [7, 5, 3, 3, 3]
+    assert k_at(None, 7, 16) == k_at({}, 7, 16) == 7
+    a = args(concurrency=[16])
+    scheduled = entry([100] * 3, [10.0] * 3, num_spec=7)
+    scheduled["fingerprint"]["spec"]["speculative"] = sc
+    fixed = entry([100] * 3, [10.0] * 3, num_spec=3)
+    assert speed.floors_for("dspark7-plugin", scheduled, 16, *configs, True, a) == (
+        speed.floors_for("dspark3-plugin", fixed, 16, *configs, True, a)
+    )
+
+
 @pytest.mark.engine
 def test_speed_smoke_runs_every_path_on_cpu(tmp_path):
     out = tmp_path / "out"
