@@ -392,6 +392,26 @@ def test_refusals(tiny_family, generic_dspark, tmp_path, no_engine):
         assert "Traceback" not in err
 
 
+def test_refused_before_any_engine_where_the_k_switch_is_not_installed(tiny_family, monkeypatch):
+    """tune sets each k on its one running engine: without that patch it refuses in one line."""
+    from vllm_nemotron_spec import patches, runs
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(runs, "make_llm", refuse)
+    monkeypatch.setitem(patches._state, "engine_core_spec_tokens",
+                        "not installed: vllm.v1.core.sched.scheduler.Scheduler.schedule changed")  # fmt: skip
+    code, err = _tune(tiny_family.target, "--method", "dspark", "--draft", tiny_family.dspark_draft)
+    assert code == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "vllm-nemotron-spec tune: tune (one engine for every k) needs the vllm-nemotron-spec patch "
+        "engine_core_spec_tokens (v1.engine.core.EngineCore.nemotron_spec_set_num_spec_tokens "
+        "(added)), which is not installed: vllm.v1.core.sched.scheduler.Scheduler.schedule "
+        f"changed (vLLM {patches.vllm_version()})"
+    )
+
+
 def test_a_rewritten_schedule_file_may_be_replaced(tmp_path):
     from vllm_nemotron_spec.cli.tune import check_schedule_file, write_schedule_file
 

@@ -409,10 +409,12 @@ class Measurements:
 def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measurements:
     """Start the measuring engine, then for each k (:attr:`TunePlan.k_order`) set it on the
     running engine and time every batch size; release the engine."""
-    from vllm_nemotron_spec import patches
+    from vllm_nemotron_spec import patches, plugin
     from vllm_nemotron_spec.patches.engine_core_spec_tokens import PATCH, set_engine_num_spec_tokens
     from vllm_nemotron_spec.runs import make_llm, release
 
+    plugin.register()  # what vLLM does at engine start; idempotent
+    patches.require("tune (one engine for every k)", PATCH)  # before any engine starts
     start = time.perf_counter()
     runs = 2 if plan.temperature > 0 else 1
     meter = Progress(1, len(plan.ks) * len(plan.batch_sizes) + runs, progress)
@@ -422,7 +424,6 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
     kwargs = {**plan.engine_kwargs, "max_num_seqs": plan.max_num_seqs}
     llm = make_llm(plan.target, plan.speculative_config(), **kwargs)
     try:
-        patches.require("tune (one engine for every k)", PATCH)  # vLLM registered the plugin
         tokenizer = llm.get_tokenizer()
         prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
         for i, k in enumerate(plan.k_order):

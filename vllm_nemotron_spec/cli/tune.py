@@ -19,7 +19,8 @@ One engine measures every k, each as a schedule serves it: the whole block draft
 step, k tokens verified (the k is set on the running engine between measurements).
 Prompt files: JSONL with "prompt" / "text" / "question" (GSM8K) / "turns" (MT-Bench, first turn).
 Exit status 0 on success, 1 when an engine or a measurement failed, 2 for a bad option, prompt
-file or target/draft pair (before any engine starts). More: docs/tune.md.
+file, target/draft pair or a plugin patch tune needs that is not installed (before any engine
+starts). More: docs/tune.md.
 """
 
 from __future__ import annotations
@@ -261,6 +262,7 @@ def run(args) -> int:
     from vllm_nemotron_spec.bench import BenchError, PlotUnavailable, check_plot_available
     from vllm_nemotron_spec.bench.tune_report import format_tune_report, plot_tune_report
     from vllm_nemotron_spec.outputs import check_output_file
+    from vllm_nemotron_spec.patches import PatchUnavailable
     from vllm_nemotron_spec.prompts import PromptFileError
 
     prog = "vllm-nemotron-spec tune"
@@ -275,6 +277,9 @@ def run(args) -> int:
         return 2
     try:
         report = measure(args, plan, prompt_set)
+    except PatchUnavailable as exc:  # refused before any engine started
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
     except BenchError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
