@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 
 import pytest
 
@@ -270,13 +271,38 @@ def test_scattered_points_are_reported():
 
 def test_progress_eta(capsys):
     meter = tune.Progress(starts=2, measures=3)
-    meter.done("start", 10.0, "engine started")  # left: 1 start (10 s) + 3 measures (10 s each)
+    meter.done("start", 10.0, "engine started")  # left: 1 start (10 s) + 3 measures (not timed)
     meter.done("measure", 2.0, "batch 1")  # left: 1 start (10 s) + 2 measures (2 s)
+    meter.done("start", 12.0, "engine started")  # left: 2 measures (2 s)
+    meter.done("measure", 4.0, "batch 2")
+    meter.done("measure", 3.0, "batch 4")
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
-        "tune [1/5] engine started (10.0 s; ETA 40s)",
+        "tune [1/5] engine started (10.0 s; ETA unknown)",
         "tune [2/5] batch 1 (2.0 s; ETA 14s)",
+        "tune [3/5] engine started (12.0 s; ETA 4s)",
+        "tune [4/5] batch 2 (4.0 s; ETA 3s)",
+        "tune [5/5] batch 4 (3.0 s; done)",
     ]
+
+
+def test_a_long_wait_says_so_until_it_ends(capsys):
+    """An engine start gets a line every ``every_s`` until it returns, none after."""
+    meter = tune.Progress(starts=1, measures=1)
+    seen = ""
+    with meter.waiting("the engine is starting", every_s=0.01):
+        deadline = time.monotonic() + 30
+        while not seen and time.monotonic() < deadline:  # however loaded the machine
+            time.sleep(0.01)
+            seen += capsys.readouterr().err
+    assert seen.startswith("tune: the engine is starting (0s so far)\n"), seen
+    capsys.readouterr()
+    time.sleep(0.05)
+    assert capsys.readouterr().err == ""  # the thread ended with the block
+    quiet = tune.Progress(starts=1, measures=1, enabled=False)
+    with quiet.waiting("x", every_s=0.01):
+        time.sleep(0.05)
+    assert capsys.readouterr().err == ""
 
 
 def test_the_largest_k_is_measured_first():

@@ -21,8 +21,10 @@ aborted (none finishes while measured). Everything vLLM-specific is imported ins
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -378,19 +380,35 @@ class Progress:
         self.say(f"tune [{n}/{self.total}] {message} ({seconds:.1f} s; {self.eta()})")
 
     def eta(self) -> str:
-        means = [statistics.mean(v) for v in self.spent.values() if v]
-        fallback = statistics.mean(means) if means else None
-        if fallback is None:
+        """The work left at the mean duration of its kind so far; unknown while a kind of work
+        still to come has not been timed once (an engine start says nothing of a measurement)."""
+        left = {kind: n for kind, n in self.left.items() if n > 0}
+        if any(not self.spent[kind] for kind in left):
             return "ETA unknown"
-        left = sum(
-            n * (statistics.mean(self.spent[k]) if self.spent[k] else fallback)
-            for k, n in self.left.items()
-        )
-        return f"ETA {_duration(left)}" if left > 0 else "done"
+        seconds = sum(n * statistics.mean(self.spent[kind]) for kind, n in left.items())
+        return f"ETA {_duration(seconds)}" if seconds > 0 else "done"
 
     def say(self, message: str) -> None:
         if self.enabled:
             print(message, file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def waiting(self, what: str, every_s: float = 30.0):
+        """A line every ``every_s`` seconds while the block runs (an engine start on a GPU takes
+        minutes, with vLLM's own log at WARNING)."""
+        done, t0 = threading.Event(), time.perf_counter()
+
+        def beat():
+            while not done.wait(every_s):
+                self.say(f"tune: {what} ({_duration(time.perf_counter() - t0)} so far)")
+
+        thread = threading.Thread(target=beat, name="tune-progress", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
 
 def _duration(seconds: float) -> str:
@@ -422,7 +440,8 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
     label = f"{plan.method} block {plan.block}"
     meter.say(f"tune: starting the engine for {label}, k {', '.join(map(str, plan.k_order))}")
     kwargs = {**plan.engine_kwargs, "max_num_seqs": plan.max_num_seqs}
-    llm = make_llm(plan.target, plan.speculative_config(), **kwargs)
+    with meter.waiting("the engine is starting: loading, compiling, capturing CUDA graphs"):
+        llm = make_llm(plan.target, plan.speculative_config(), **kwargs)
     try:
         tokenizer = llm.get_tokenizer()
         prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
