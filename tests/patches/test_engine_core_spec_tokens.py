@@ -83,3 +83,14 @@ def test_the_engine_core_carries_the_method_after_registration():
     plugin.register()
     patches.require("the test", patch.PATCH)
     assert getattr(EngineCore, patch.METHOD) is patch.set_num_spec_tokens
+
+
+def test_refuses_where_the_patch_is_not_installed(monkeypatch):
+    """In an engine-core process where the scheduler's code changed, the method refuses in one
+    line naming the patch instead of writing a lookup the scheduler may not read."""
+    monkeypatch.setitem(patches._state, patch.PATCH, "not installed: Scheduler.schedule changed")
+    core = _core(list(STARTED))
+    with pytest.raises(patches.PatchUnavailable, match="needs the vllm-nemotron-spec patch "
+                                                       "engine_core_spec_tokens"):  # fmt: skip
+        patch.set_num_spec_tokens(core, 2)
+    assert core.scheduler.dynamic_sd_lookup == STARTED

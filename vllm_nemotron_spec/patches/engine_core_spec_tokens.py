@@ -17,19 +17,18 @@ Relies:  ``Scheduler.schedule`` reads ``self.dynamic_sd_lookup[<batch size>]`` e
 Upstream: vLLM has no runtime control of the schedule; none requested.
 Removal: when vLLM can change a running engine's schedule.
          ``tests/patches/test_engine_core_spec_tokens.py`` pins the scheduler (tripwire) and
-         drives a real CPU engine's k through the method, tokens per step and outputs checked.
+         checks the method; ``tests/e2e/test_batch_size_schedule.py`` drives a real CPU engine's
+         k through it in vLLM's engine-core process (drafts per step and tokens checked).
 """
 
 from __future__ import annotations
 
 from vllm_nemotron_spec.patches import (
-    PatchUnavailable,
     ShapeMismatch,
     Target,
     check_when_imported,
     install_when_imported,
-    is_installed,
-    state,
+    require,
 )
 
 PATCH = __name__.rsplit(".", 1)[-1]
@@ -50,9 +49,7 @@ _STARTED_WITH = "_nemotron_spec_started_lookup"
 def set_num_spec_tokens(self, k: int | None) -> list[int]:
     """``EngineCore.<METHOD>``: draft ``k`` tokens at every batch size from the next step on
     (``None``: the schedule the engine started with); returns the k values it accepts."""
-    if not is_installed(PATCH):
-        raise PatchUnavailable(f"setting k on a running engine needs the patch {PATCH}, "
-                               f"which is {state(PATCH)}")  # fmt: skip
+    require("setting k on a running engine", PATCH)
     scheduler = self.scheduler
     lookup = getattr(scheduler, "dynamic_sd_lookup", None)
     if lookup is None:
