@@ -8,8 +8,9 @@
 # On the lent H200, from the repository root:
 #   source .gpu-bundle/device-setup.sh && GPU_TESTS_COMMIT=<commit> bash scripts/gpu-tests.sh
 #
-# Installs the package (its vLLM plugin entry point), runs the tests and writes into DIR (the
-# first argument, else $OUT, else ./gpu-test-results): gpu-tests.xml (JUnit), gpu-tests.log
+# Installs the package (its vLLM plugin entry point), runs the tests (tests/gpu, or the test files
+# or node ids given after DIR) and writes into DIR (the first argument, else $OUT, else
+# ./gpu-test-results): gpu-tests.xml (JUnit), gpu-tests.log
 # (pytest's output), pip.log, gpu-tests-summary.txt (one line: verdict, counts, time, date,
 # commit, device). The commit is $GPU_TESTS_COMMIT, else `git rev-parse --short HEAD` where the
 # working tree has its .git (the device's copy has none). pytest stops after
@@ -24,13 +25,16 @@ if [ "${1:-}" = "--prepare" ]; then
   exec "$PYTHON" -m tests.gpu.drafts
 fi
 DIR=${1:-${OUT:-gpu-test-results}}
+[ $# -gt 0 ] && shift
+TESTS=("$@")
+[ ${#TESTS[@]} -eq 0 ] && TESTS=(tests/gpu)
 mkdir -p "$DIR" || exit 1
 COMMIT=${GPU_TESTS_COMMIT:-$(git rev-parse --short HEAD 2> /dev/null || echo "unknown (set GPU_TESTS_COMMIT)")}
 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$DIR/pip.log" 2>&1 \
   || { cat "$DIR/pip.log"; exit 1; }
 # SIGINT at the deadline: pytest stops like on Ctrl-C and still writes its report of what ran;
 # unbuffered, so the log keeps every line printed before it.
-PYTHONUNBUFFERED=1 timeout -s INT -k 20 "${GPU_TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/gpu \
+PYTHONUNBUFFERED=1 timeout -s INT -k 20 "${GPU_TESTS_TIMEOUT:-540}" "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider "${TESTS[@]}" \
   --junitxml="$DIR/gpu-tests.xml" -o junit_suite_name=gpu-tests 2>&1 | tee "$DIR/gpu-tests.log"
 rc=${PIPESTATUS[0]}
 if [ -f "$DIR/gpu-tests.xml" ]; then
