@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import time
+import types
 
 import pytest
 
@@ -446,3 +447,85 @@ def test_a_rewritten_schedule_file_may_be_replaced(tmp_path):
     assert check_schedule_file(dest) == dest
     assert json.loads(dest.read_text()) == {"method": "dspark", "num_speculative_tokens": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary left behind
+
+
+class _ChunkedPrefillEngine:
+    """vLLM's engine as ``time_decode_steps`` drives it, reduced to the scheduling that matters
+    here: prompts prefill in chunks of ``budget`` tokens per step (in arrival order), a request
+    emits its first token when its prompt is done and ``k + 1`` tokens per step after that
+    (every draft accepted: the fastest a request can finish), and it finishes at
+    ``max_tokens``."""
+
+    def __init__(self, budget: int, k: int, max_model_len: int = 100_000):
+        self.k, self.now = k, 0.0
+        self.vllm_config = types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(max_num_batched_tokens=budget)
+        )
+        self.model_config = types.SimpleNamespace(max_model_len=max_model_len)
+        self.budget = budget
+        self.requests: dict[str, dict] = {}
+
+    def add_request(self, rid, prompt, params):
+        self.requests[rid] = {
+            "left": len(prompt["prompt_token_ids"]),
+            "out": 0,
+            "max": params.max_tokens,
+        }
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def abort_request(self, ids):
+        for rid in ids:
+            self.requests.pop(rid, None)
+
+    def step(self):
+        self.now += 0.01
+        budget, outs = self.budget, []
+        for rid, r in list(self.requests.items()):
+            if r["left"] > 0:  # prefilling
+                chunk = min(budget, r["left"])
+                r["left"] -= chunk
+                budget -= chunk
+                new = 1 if r["left"] == 0 else 0
+            else:
+                new = min(self.k + 1, r["max"] - r["out"])
+            if not new:
+                continue
+            r["out"] += new
+            finished = r["out"] >= r["max"]
+            if finished:
+                del self.requests[rid]
+            outs.append(
+                types.SimpleNamespace(
+                    request_id=rid,
+                    finished=finished,
+                    outputs=[types.SimpleNamespace(token_ids=[0] * new)],
+                    metrics=types.SimpleNamespace(last_token_ts=self.now),
+                )
+            )
+        return outs
+
+
+@pytest.mark.parametrize("k", [0, 1, 7])
+@pytest.mark.parametrize("batch, budget", [(1, 4096), (2, 1024), (8, 2048), (64, 8192)])
+def test_every_batch_decodes_the_steps_timed_while_its_prompts_prefill_in_chunks(batch, budget, k):
+    """A batch whose prompts prefill over several steps (1,023 tokens each, ``budget`` per step)
+    still gives every timed step with all its requests decoding: the first requests must not
+    finish while the last ones are still prefilling (as happened at k=0, batch 2 on a GPU)."""
+    engine = _ChunkedPrefillEngine(budget, k)
+    llm = types.SimpleNamespace(llm_engine=engine)
+    plan = types.SimpleNamespace(warmup_steps=4, steps=16, temperature=0.0)
+    timing = tune.time_decode_steps(llm, [[1] * 1023], batch, k, plan)
+    assert len(timing.seconds) == 16
+    assert timing.seconds == pytest.approx([0.01] * 16)  # consecutive steps, none skipped
+    assert timing.tokens_per_step == pytest.approx(k + 1)
+    assert not engine.requests  # aborted afterwards
+
+
+def test_tokens_requested_cover_the_prefill_steps():
+    config = types.SimpleNamespace(max_num_batched_tokens=8192)
+    # 64 prompts of 1,023 tokens: 8 chunked prefill steps before the last request decodes.
+    assert tune.tokens_to_request(21, 0, 64 * 1023, config) == 21 + 8 + 2
+    assert tune.tokens_to_request(21, 7, 64 * 1023, config) == (21 + 8 + 2) * 8
+    assert tune.tokens_to_request(21, 3, 100, config) == (21 + 1 + 2) * 4

@@ -254,6 +254,16 @@ class StepTiming:
         }
 
 
+def tokens_to_request(wanted: int, k: int, prompt_tokens: int, scheduler_config) -> int:
+    """``max_tokens`` for each of a batch's requests such that none finishes before ``wanted``
+    steps in which all of them decode: a step emits at most ``k + 1`` tokens per request, and
+    the first requests decode while the batch's later prompts are still prefilling (chunked,
+    ``max_num_batched_tokens`` per step), up to one step per chunk of the batch's prompts."""
+    budget = max(1, int(scheduler_config.max_num_batched_tokens))
+    prefill_steps = -(-prompt_tokens // budget)  # ceil
+    return (wanted + prefill_steps + 2) * (k + 1)
+
+
 def time_decode_steps(
     llm, prompt_ids: list[list[int]], batch: int, k: int, plan: TunePlan
 ) -> StepTiming:
@@ -265,9 +275,11 @@ def time_decode_steps(
     engine = llm.llm_engine
     chosen = [prompt_ids[i % len(prompt_ids)] for i in range(batch)]
     wanted = plan.warmup_steps + plan.steps + 1  # stamps: one more than the gaps timed
-    max_tokens = (wanted + 2) * (k + 1)
-    max_len = engine.model_config.max_model_len
     longest = max(len(p) for p in chosen)
+    max_tokens = tokens_to_request(
+        wanted, k, sum(len(p) for p in chosen), engine.vllm_config.scheduler_config
+    )
+    max_len = engine.model_config.max_model_len
     if longest + max_tokens > max_len:
         raise TuneError(
             f"batch {batch}, k {k}: a prompt of {longest} tokens + {max_tokens} generated "
