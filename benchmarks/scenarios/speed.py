@@ -21,7 +21,9 @@ at ``--bandwidth-tbs`` (``harness/floors.py``). Ratios pair repeat k of the plug
 vLLM alone (same prompts, same request seeds: the same drafts accepted): median [min-max]. A
 second table gives the ceiling of what the plugin controls: per plugin arm, its speed over vLLM
 alone with the draft step at its floor, and the draft step the goal (1.10x at concurrency 1,
-1.05x elsewhere) needs.
+1.05x elsewhere) needs. With ``--schedule FILE`` (what ``tune --out`` wrote) the arm ``tuned``
+serves that per-batch-size schedule through the plugin, and a third table sets it beside the
+best fixed-k arm of its draft and plain decoding at each concurrency.
 
 Process layout: an ``alone`` lane and a ``plugin`` lane; with ``--side-by-side`` (default when the
 GPU holds two engines) a draft's two engines are resident together and their windows interleave,
@@ -65,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, measured in this order (default {DEFAULT_ARMS}): plain, "
                    "a draft with its drafted tokens (dspark3, dspark7, dflash5, any dspark<k> / "
                    "dflash<k>: vLLM alone and the plugin side by side) or one side of it "
-                   "(dspark3-alone, dspark3-plugin)")  # fmt: skip
+                   "(dspark3-alone, dspark3-plugin), or tuned (with --schedule)")  # fmt: skip
     p.add_argument("--concurrency", default=None, help="comma-separated (default 1,4,16)")
     p.add_argument("--repeats", type=int, default=None, help="wall windows per cell (default 3)")
     p.add_argument("--steps", type=int, default=None, help="steps per wall window (default 128)")
