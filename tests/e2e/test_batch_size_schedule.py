@@ -325,6 +325,29 @@ def test_the_tuned_schedule_serves_plain_decodings_tokens(tuned, tiny_family, pr
     assert counters.num_drafts > 0
 
 
+def test_tune_times_every_k_while_a_batch_prefills_in_chunks(tiny_family, trained, tmp_path):
+    """With a small ``max_num_batched_tokens`` a batch's prompts prefill over several steps while
+    its first request already decodes; at k=0 (one token a step) the requests must still outlast
+    the timed steps (they did not: on a GPU tune stopped at k=0, batch 2)."""
+    from vllm_nemotron_spec.cli.main import main
+
+    words = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)  # ~60 tokens
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i} {words}"}) + "\n" for i in range(2)))
+    argv = ["tune", str(tiny_family.target), "--method", "dspark", "--draft", str(trained.dspark),
+            "--prompts", str(prompts), "--k", "0,1", "--max-batch", "2", "--steps", "3",
+            "--warmup-steps", "1", "--max-tokens", "16", "--no-progress", "--json",
+            "--engine-arg", "max_num_batched_tokens=40",
+            "--engine-arg", "enable_prefix_caching=false"]  # fmt: skip
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    assert code == 0, err.getvalue()[-2000:]
+    cells = {(m["batch"], m["k"]): m for m in json.loads(out.getvalue())["measurements"]}
+    assert set(cells) == {(b, k) for b in (1, 2) for k in (0, 1)}
+    assert cells[(2, 0)]["steps"] == 3 and cells[(2, 0)]["measured_tokens_per_step"] == 1.0
+
+
 # --------------------------------------------------------------------------------------------
 # A running engine's k, set from the client (patches/engine_core_spec_tokens.py), with the engine
 # core in vLLM's own process as on a GPU: tune's one engine for every k.
