@@ -171,7 +171,7 @@ def _plan(**changes):
     return tune.TunePlan(**values)
 
 
-def _measurements(sampled=None):
+def _measurements(sampled=None, plain_ms=None):
     timings = [
         tune.StepTiming(b, k, [ms / 1000] * 3, [b * (1 + k)] * 3) for (b, k), ms in STEP_MS.items()
     ]
@@ -180,7 +180,8 @@ def _measurements(sampled=None):
     acceptance = {"greedy": greedy}
     if sampled is not None:
         acceptance["sampled"] = sampled
-    return tune.Measurements(acceptance, timings, 12.5, 4.5)
+    plain = [tune.StepTiming(b, 0, [ms / 1000] * 3, [b] * 3) for b, ms in (plain_ms or {}).items()]
+    return tune.Measurements(acceptance, timings, 12.5, 4.5, plain, 2.0 if plain else None)
 
 
 class _Prompts:
@@ -240,11 +241,54 @@ def test_text_report_and_serving_commands(monkeypatch):
     assert "no k above 0 pays at any measured batch size: serve plain decoding" in plain
 
 
+# Plain decoding of the worked example: 8, 9, 10, 10 ms at batch 1, 2, 4, 8 -> 125, 222.2, 400,
+# 800 tokens/s. Against the chosen k (178.6, 253.3, 345.5, 571.4): 1.43x, 1.14x, then plain wins.
+PLAIN_MS = {1: 8, 2: 9, 4: 10, 8: 10}
+
+
+def test_report_sets_the_schedule_beside_plain_decoding(monkeypatch):
+    from vllm_nemotron_spec.bench import tune_report as tr
+
+    report = _report(measurements=_measurements(plain_ms=PLAIN_MS))
+    assert report["schema"] == "vllm-nemotron-spec.tune/3"
+    assert report["plain"][1] == {"batch": 2, "step_ms": 9.0, "step_ms_quartiles": [9.0, 9.0],
+                                  "steps": 3, "measured_tokens_per_step": 1.0,
+                                  "tokens_per_s": pytest.approx(222.222, abs=1e-3)}  # fmt: skip
+    speedups = [c["speedup_vs_plain"] for c in report["chosen"]]
+    assert speedups == pytest.approx(
+        [178.571 / 125, 253.333 / 222.222, 345.455 / 400, 571.429 / 800], abs=1e-3
+    )
+    assert report["plain_faster_at"] == [4, 8]
+    assert report["speculative_config"]["num_speculative_tokens_per_batch_size"] == RANGES
+    assert report["plain_engine_start_s"] == 2.0
+    monkeypatch.setattr("vllm_nemotron_spec.commands.serve_program", lambda: "vllm serve")
+    text = tr.format_tune_report(report)
+    assert "plain decoding serves more tokens/s than the chosen k at batch 4, 8" in text
+    assert "batch 1: k=2 (1.43x plain decoding)" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("8 "))
+    assert row.rstrip().endswith("10.00 /   800.0")
+
+
+def test_no_config_when_plain_decoding_serves_more_at_every_batch_size():
+    fast = {b: 1 for b in PLAIN_MS}  # 1 ms a step: 1,000 tokens/s a request
+    report = _report(measurements=_measurements(plain_ms=fast))
+    assert report["plain_faster_at"] == [1, 2, 4, 8]
+    assert report["schedule"] == RANGES  # the best k per batch size, as measured
+    assert report["speculative_config"] is None  # but none beats plain decoding
+    from vllm_nemotron_spec.bench.tune_report import format_tune_report
+
+    text = format_tune_report(report)
+    assert "plain decoding serves more tokens/s than any k at every measured batch size" in text
+    assert "vllm serve" not in text
+
+
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     from vllm_nemotron_spec.bench.tune_report import plot_tune_report
 
-    path = plot_tune_report(_report(), tmp_path / "tune.png")
+    path = plot_tune_report(
+        _report(measurements=_measurements(plain_ms=PLAIN_MS)), tmp_path / "tune.png"
+    )
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -239,6 +239,7 @@ def tuned(tiny_family, trained, tmp_path_factory):
         "24",
         "--temperature",
         "0.7",
+        "--no-plain",
         "--out",
         str(schedule),
         "--json",
@@ -258,7 +259,7 @@ TUNE_BATCHES = (1, 2)
 def test_tune_measures_every_batch_size_and_k(tuned):
     report = tuned.report
     assert tuned.code == 0, tuned.stderr[-2000:]
-    assert report["schema"] == "vllm-nemotron-spec.tune/2"
+    assert report["schema"] == "vllm-nemotron-spec.tune/3"
     assert report["ks"] == list(TUNE_KS) and report["batch_sizes"] == list(TUNE_BATCHES)
     cells = {(m["batch"], m["k"]): m for m in report["measurements"]}
     assert set(cells) == {(b, k) for b in TUNE_BATCHES for k in TUNE_KS}
@@ -267,6 +268,9 @@ def test_tune_measures_every_batch_size_and_k(tuned):
         q1, q3 = m["step_ms_quartiles"]
         assert q1 <= m["step_ms"] <= q3
         assert 1.0 <= m["measured_tokens_per_step"] <= k + 1
+    # --no-plain: no plain-decoding engine (on CPU it would win: the tiny draft costs as much as
+    # the tiny target, and tune would write no schedule to serve below)
+    assert report["plain"] is None and report["plain_engine_start_s"] is None
     # greedy and at the user's temperature, both at the largest k; the schedule uses the latter
     assert report["acceptance_used"] == "sampled" and report["temperature"] == 0.7
     assert set(report["acceptance"]) == {"greedy", "sampled"}
@@ -327,8 +331,9 @@ def test_the_tuned_schedule_serves_plain_decodings_tokens(tuned, tiny_family, pr
 
 def test_tune_times_every_k_while_a_batch_prefills_in_chunks(tiny_family, trained, tmp_path):
     """With a small ``max_num_batched_tokens`` a batch's prompts prefill over several steps while
-    its first request already decodes; at k=0 (one token a step) the requests must still outlast
-    the timed steps (they did not: on a GPU tune stopped at k=0, batch 2)."""
+    its first request already decodes; at k=0 and in plain decoding (one token a step) the
+    requests must still outlast the timed steps (they did not: on a GPU tune stopped at k=0,
+    batch 2)."""
     from vllm_nemotron_spec.cli.main import main
 
     words = " ".join(["the quick brown fox jumps over the lazy dog"] * 6)  # ~60 tokens
@@ -346,6 +351,14 @@ def test_tune_times_every_k_while_a_batch_prefills_in_chunks(tiny_family, traine
     cells = {(m["batch"], m["k"]): m for m in json.loads(out.getvalue())["measurements"]}
     assert set(cells) == {(b, k) for b in (1, 2) for k in (0, 1)}
     assert cells[(2, 0)]["steps"] == 3 and cells[(2, 0)]["measured_tokens_per_step"] == 1.0
+    # plain decoding, timed in a second engine without speculation: one token a request a step
+    report = json.loads(out.getvalue())
+    plain = {p["batch"]: p for p in report["plain"]}
+    assert set(plain) == {1, 2} and report["plain_engine_start_s"] > 0
+    for p in plain.values():
+        assert p["steps"] == 3 and p["measured_tokens_per_step"] == 1.0
+        assert p["tokens_per_s"] == pytest.approx(p["batch"] / (p["step_ms"] / 1000), rel=1e-3)
+    assert [c["speedup_vs_plain"] > 0 for c in report["chosen"]] == [True, True]
 
 
 # --------------------------------------------------------------------------------------------

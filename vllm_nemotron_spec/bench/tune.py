@@ -10,7 +10,9 @@ the running engine for every batch size (``patches/engine_core_spec_tokens.py``)
 an engine serving the one-range schedule ``[[1, max_batch, k]]`` runs. Acceptance (vLLM's
 per-position accepted counters) is measured once, at the largest k, on the user's prompts: the
 first k drafts of a step do not depend on k, so one measurement gives ``E[accepted | k]`` for
-every k (``bench.schedule``).
+every k (``bench.schedule``). A second engine without speculation then times plain decoding at
+every batch size (k=0 in the measuring engine is not plain decoding: the draft still stores each
+step's context), so the report says where plain decoding serves more than the schedule.
 
 A step time is the median of the gaps between vLLM's engine-core timestamps of consecutive
 decode steps in which exactly B requests were in flight: B requests with equal, long
@@ -40,7 +42,7 @@ from vllm_nemotron_spec.bench.schedule import (
 )
 from vllm_nemotron_spec.runs import SpecCounters
 
-SCHEMA = "vllm-nemotron-spec.tune/2"
+SCHEMA = "vllm-nemotron-spec.tune/3"
 
 SCATTER_LIMIT = 0.25
 """A (batch, k) point whose step-time quartiles lie further apart than this share of the median
@@ -66,6 +68,7 @@ class TunePlan:
     warmup_steps: int = 4
     max_tokens: int = 128  # per prompt, for the acceptance measurement
     ignore_eos: bool = False
+    plain: bool = True  # also time plain decoding (one more engine, no speculation)
     speculative_extra: dict = field(default_factory=dict)
     engine_kwargs: dict = field(default_factory=dict)
 
@@ -433,7 +436,9 @@ class Measurements:
     acceptance: dict[str, SpecCounters]  # "greedy", and "sampled" with a temperature
     timings: list[StepTiming]
     seconds: float
-    engine_start_s: float  # the one engine's start and first warm-up
+    engine_start_s: float  # the measuring engine's start and first warm-up
+    plain: list[StepTiming] = field(default_factory=list)  # k=0 of an engine without drafts
+    plain_start_s: float | None = None
 
 
 def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measurements:
@@ -447,7 +452,10 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
     patches.require("tune (one engine for every k)", PATCH)  # before any engine starts
     start = time.perf_counter()
     runs = 2 if plan.temperature > 0 else 1
-    meter = Progress(1, len(plan.ks) * len(plan.batch_sizes) + runs, progress)
+    plain_runs = len(plan.batch_sizes) if plan.plain else 0
+    meter = Progress(
+        2 if plan.plain else 1, len(plan.ks) * len(plan.batch_sizes) + runs + plain_runs, progress
+    )
     out = Measurements({}, [], 0.0, 0.0)
     label = f"{plan.method} block {plan.block}"
     meter.say(f"tune: starting the engine for {label}, k {', '.join(map(str, plan.k_order))}")
@@ -477,8 +485,39 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
                 )
     finally:
         release(llm)
+    if plan.plain:
+        time_plain_decoding(plan, prompts, kwargs, meter, out)
     out.seconds = time.perf_counter() - start
     return out
+
+
+def time_plain_decoding(plan: TunePlan, prompts: list[str], kwargs: dict, meter, out) -> None:
+    """The baseline: an engine with the same settings and no speculation, each batch size timed
+    as the measuring engine's (one token a request a step)."""
+    from vllm_nemotron_spec.runs import make_llm, release
+
+    t0 = time.perf_counter()
+    meter.say("tune: starting the engine for plain decoding (no speculation)")
+    with meter.waiting("the plain-decoding engine is starting"):
+        llm = make_llm(plan.target, None, **kwargs)
+    try:
+        tokenizer = llm.get_tokenizer()
+        prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
+        warm_up(llm, prompt_ids, max(plan.batch_sizes), 0)
+        out.plain_start_s = time.perf_counter() - t0
+        meter.done("start", out.plain_start_s, "engine for plain decoding started, warmed up")
+        for b in plan.batch_sizes:
+            t0 = time.perf_counter()
+            timing = time_decode_steps(llm, prompt_ids, b, 0, plan)
+            out.plain.append(timing)
+            meter.done(
+                "measure",
+                time.perf_counter() - t0,
+                f"plain decoding, batch {b}: step {1000 * timing.median_s:.2f} ms (median of "
+                f"{len(timing.seconds)})",
+            )
+    finally:
+        release(llm)
 
 
 def warm_up(llm, prompt_ids: list[list[int]], batch: int, k: int) -> None:
@@ -521,6 +560,10 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
     ranges = merge_ranges(choice)
     config = speculative_config(plan.method, plan.draft, ranges, plan.speculative_extra)
     no_drafts = {b: r for (b, k), r in rates.items() if k == 0}
+    plain = {t.batch: t.batch / t.median_s for t in m.plain}  # tokens/s: one a request a step
+    plain_faster = [b for b, k in sorted(choice.items()) if b in plain and plain[b] > rates[(b, k)]]
+    if plain and config is not None and len(plain_faster) == len(choice):
+        config = None  # plain decoding serves more at every measured batch size
     return {
         "schema": SCHEMA,
         "vllm_version": vllm_version,
@@ -549,9 +592,19 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
                 "speedup_vs_k0": (
                     round(rates[(b, k)] / no_drafts[b], 4) if b in no_drafts else None
                 ),
+                "speedup_vs_plain": round(rates[(b, k)] / plain[b], 4) if b in plain else None,
             }
             for b, k in sorted(choice.items())
         ],
+        "plain": [
+            dict(
+                {key: v for key, v in t.to_json().items() if key != "k"},
+                tokens_per_s=round(plain[t.batch], 3),
+            )
+            for t in sorted(m.plain, key=lambda t: t.batch)
+        ]
+        or None,
+        "plain_faster_at": plain_faster if plain else None,
         "schedule": ranges,
         "speculative_config": config,
         "scattered": [
@@ -559,6 +612,9 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
         ],
         "seconds": round(m.seconds, 2),
         "engine_start_s": round(m.engine_start_s, 2),
+        "plain_engine_start_s": (
+            round(m.plain_start_s, 2) if m.plain_start_s is not None else None
+        ),
     }
 
 

@@ -54,7 +54,9 @@ def format_tune_report(report: dict, schedule_file: str | None = None) -> str:
         f"decode step time, ms (median) / expected output tokens/s; * = chosen. Each k ran as a "
         f"schedule serves it: a block of {report['block']} drafted, k verified (k=0: no drafts)",
     ]
+    plain = {p["batch"]: p for p in report.get("plain") or []}
     head = f"{'batch':>5}  " + "  ".join(f"{f'k={k}':>17}" for k in ks)
+    head += f"  {'plain decoding':>17}" if plain else ""
     lines += [head, "-" * len(head)]
     for b in batches:
         cells = []
@@ -62,8 +64,18 @@ def format_tune_report(report: dict, schedule_file: str | None = None) -> str:
             m = rows[(b, k)]
             mark = "*" if chosen[b]["k"] == k else " "
             cells.append(f"{m['step_ms']:>7.2f} /{m['expected_tokens_per_s']:>8.1f}{mark}")
+        if b in plain:
+            cells.append(f"{plain[b]['step_ms']:>7.2f} /{plain[b]['tokens_per_s']:>8.1f} ")
         lines.append(f"{b:>5}  " + "  ".join(cells))
     lines += ["", "chosen: " + ", ".join(_chosen(c) for c in report["chosen"])]
+    faster = report.get("plain_faster_at") or []
+    if faster and report["speculative_config"] is not None:
+        lines.append(
+            "plain decoding serves more tokens/s than the chosen k at batch "
+            + ", ".join(map(str, faster))
+            + ": a schedule cannot turn speculation off there; if your load sits at those batch "
+            "sizes, serve without --speculative-config"
+        )
     scattered = report["scattered"]
     if scattered:
         lines.append(
@@ -83,10 +95,17 @@ def serving_lines(report: dict, schedule_file: str | None = None) -> list[str]:
     lines: list[str] = []
     command = serve_command(report)
     if command is None:
-        lines.append(
-            "no k above 0 pays at any measured batch size: serve plain decoding, without "
-            "--speculative-config (it costs at most what k=0 measured)"
-        )
+        chosen = report["chosen"]
+        if report.get("plain_faster_at") and len(report["plain_faster_at"]) == len(chosen):
+            lines.append(
+                "plain decoding serves more tokens/s than any k at every measured batch size: "
+                "serve without --speculative-config"
+            )
+        else:
+            lines.append(
+                "no k above 0 pays at any measured batch size: serve plain decoding, without "
+                "--speculative-config"
+            )
     else:
         last = report["schedule"][-1]
         top = report["speculative_config"]["num_speculative_tokens"]
@@ -113,7 +132,10 @@ def serving_lines(report: dict, schedule_file: str | None = None) -> list[str]:
 
 
 def _chosen(c: dict) -> str:
-    speedup = f" ({c['speedup_vs_k0']:.2f}x k=0)" if c["speedup_vs_k0"] else ""
+    if c.get("speedup_vs_plain"):
+        speedup = f" ({c['speedup_vs_plain']:.2f}x plain decoding)"
+    else:
+        speedup = f" ({c['speedup_vs_k0']:.2f}x k=0)" if c["speedup_vs_k0"] else ""
     return f"batch {c['batch']}: k={c['k']}{speedup}"
 
 
@@ -140,6 +162,12 @@ def plot_tune_report(report: dict, path: str | Path) -> Path:
         right.plot(
             batches, [rows[(b, k)]["step_ms"] for b in batches], marker="o", color=f"C{i % 10}"
         )
+    plain = {p["batch"]: p for p in report.get("plain") or []}
+    if plain:
+        xs = [b for b in batches if b in plain]
+        style = dict(marker="s", linestyle="--", color="black", label="plain decoding")
+        left.plot(xs, [plain[b]["tokens_per_s"] for b in xs], **style)
+        right.plot(xs, [plain[b]["step_ms"] for b in xs], **style)
     left.plot(
         [c["batch"] for c in report["chosen"]],
         [c["expected_tokens_per_s"] for c in report["chosen"]],

@@ -16,7 +16,10 @@ inclusive ranges, and prints the --speculative-config that serves the schedule
   vllm serve TARGET --speculative-config "$(cat schedule.json)"
 
 One engine measures every k, each as a schedule serves it: the whole block drafted every
-step, k tokens verified (the k is set on the running engine between measurements).
+step, k tokens verified (the k is set on the running engine between measurements). A second
+engine without speculation times plain decoding at every batch size (--no-plain skips it): the
+report says where it serves more than the schedule, and no config is written when it does at
+every batch size.
 Prompt files: JSONL with "prompt" / "text" / "question" (GSM8K) / "turns" (MT-Bench, first turn).
 Exit status 0 on success, 1 when an engine or a measurement failed, 2 for a bad option, prompt
 file, target/draft pair or a plugin patch tune needs that is not installed (before any engine
@@ -104,6 +107,13 @@ def _measurement_args(parser) -> None:
         type=int,
         default=4,
         help="decode steps run before timing each (batch, k) (default 4)",
+    )
+    how.add_argument(
+        "--no-plain",
+        action="store_true",
+        help="skip timing plain decoding (an engine without speculation, started after the "
+        "measuring one): one engine start less, and the report cannot say where plain "
+        "decoding serves more than the schedule",
     )
     how.add_argument(
         "--speculative-arg",
@@ -217,6 +227,7 @@ def plan_from_args(args):
         warmup_steps=args.warmup_steps,
         max_tokens=args.max_tokens,
         ignore_eos=args.ignore_eos,
+        plain=not args.no_plain,
         speculative_extra=parse_engine_args(args.speculative_arg),
         engine_kwargs=parse_engine_args(args.engine_arg),
     )
@@ -297,7 +308,7 @@ def run(args) -> int:
     print(json.dumps(report) if args.json else format_tune_report(report, written))
     sys.stdout.flush()
     if dest is not None and written is None and not args.no_progress:
-        print(f"tune: no k above 0 paid; {dest} not written", file=sys.stderr)
+        print(f"tune: speculation did not pay; {dest} not written", file=sys.stderr)
     if args.plot:
         try:
             path = plot_tune_report(report, args.plot)
