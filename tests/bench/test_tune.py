@@ -465,11 +465,14 @@ def test_refusals(tiny_family, generic_dspark, tmp_path, no_engine):
 
 def test_refused_before_any_engine_where_the_k_switch_is_not_installed(tiny_family, monkeypatch):
     """tune sets each k on its one running engine: without that patch it refuses in one line."""
-    from vllm_nemotron_spec import patches, runs
+    from vllm_nemotron_spec import patches, plugin, runs
 
     def refuse(*args, **kwargs):
         raise AssertionError("an engine was started")
 
+    # registered first, so that the patch state this test overrides is restored, not dropped,
+    # for the tests after it in this process
+    plugin.register()
     monkeypatch.setattr(runs, "make_llm", refuse)
     monkeypatch.setitem(patches._state, "engine_core_spec_tokens",
                         "not installed: vllm.v1.core.sched.scheduler.Scheduler.schedule changed")  # fmt: skip

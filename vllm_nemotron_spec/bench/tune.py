@@ -473,16 +473,7 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
                 out.engine_start_s = time.perf_counter() - start
                 meter.done("start", out.engine_start_s, f"engine for {label} started, warmed up")
                 _measure_acceptance_runs(llm, prompt_ids, plan, name, meter, out)
-            for b in plan.batch_sizes:
-                t0 = time.perf_counter()
-                timing = time_decode_steps(llm, prompt_ids, b, k, plan)
-                out.timings.append(timing)
-                meter.done(
-                    "measure",
-                    time.perf_counter() - t0,
-                    f"{name}, batch {b}: step {1000 * timing.median_s:.2f} ms (median of "
-                    f"{len(timing.seconds)}), {timing.tokens_per_step:.2f} tokens/step",
-                )
+            out.timings += time_every_batch(llm, prompt_ids, k, plan, meter, name)
     finally:
         release(llm)
     if plan.plain:
@@ -506,18 +497,25 @@ def time_plain_decoding(plan: TunePlan, prompts: list[str], kwargs: dict, meter,
         warm_up(llm, prompt_ids, max(plan.batch_sizes), 0)
         out.plain_start_s = time.perf_counter() - t0
         meter.done("start", out.plain_start_s, "engine for plain decoding started, warmed up")
-        for b in plan.batch_sizes:
-            t0 = time.perf_counter()
-            timing = time_decode_steps(llm, prompt_ids, b, 0, plan)
-            out.plain.append(timing)
-            meter.done(
-                "measure",
-                time.perf_counter() - t0,
-                f"plain decoding, batch {b}: step {1000 * timing.median_s:.2f} ms (median of "
-                f"{len(timing.seconds)})",
-            )
+        out.plain = time_every_batch(llm, prompt_ids, 0, plan, meter, "plain decoding")
     finally:
         release(llm)
+
+
+def time_every_batch(llm, prompt_ids, k: int, plan: TunePlan, meter, name: str) -> list:
+    """:func:`time_decode_steps` at every batch size of the plan, a progress line each."""
+    timings = []
+    for b in plan.batch_sizes:
+        t0 = time.perf_counter()
+        timing = time_decode_steps(llm, prompt_ids, b, k, plan)
+        timings.append(timing)
+        meter.done(
+            "measure",
+            time.perf_counter() - t0,
+            f"{name}, batch {b}: step {1000 * timing.median_s:.2f} ms (median of "
+            f"{len(timing.seconds)}), {timing.tokens_per_step:.2f} tokens/step",
+        )
+    return timings
 
 
 def warm_up(llm, prompt_ids: list[list[int]], batch: int, k: int) -> None:
