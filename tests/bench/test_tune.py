@@ -331,6 +331,24 @@ def test_progress_eta(capsys):
     ]
 
 
+def test_progress_eta_names_a_later_engine_start_it_cannot_time_yet(capsys):
+    """The plain-decoding engine starts after the measuring one, with compilation cached: its
+    start is not guessed from the first (cold) one, it is named until it has been timed."""
+    meter = tune.Progress(starts=1, measures=3, restarts=1)
+    meter.done("start", 300.0, "engine started")  # left: 3 measures (not timed) + a restart
+    meter.done("measure", 2.0, "batch 1")  # left: 2 measures (2 s) + a restart (not timed)
+    meter.done("measure", 4.0, "batch 2")
+    meter.done("restart", 20.0, "plain engine started")  # left: 1 measure (3 s)
+    meter.done("measure", 3.0, "plain, batch 1")
+    assert capsys.readouterr().err.splitlines() == [
+        "tune [1/5] engine started (300.0 s; ETA unknown)",
+        "tune [2/5] batch 1 (2.0 s; ETA 4s + an engine start)",
+        "tune [3/5] batch 2 (4.0 s; ETA 3s + an engine start)",
+        "tune [4/5] plain engine started (20.0 s; ETA 3s)",
+        "tune [5/5] plain, batch 1 (3.0 s; done)",
+    ]
+
+
 def test_a_long_wait_says_so_until_it_ends(capsys):
     """An engine start gets a line every ``every_s`` until it returns, none after."""
     meter = tune.Progress(starts=1, measures=1)

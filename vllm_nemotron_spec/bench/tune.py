@@ -380,12 +380,15 @@ def measure_acceptance(
 
 class Progress:
     """One stderr line per measurement, with an ETA from the mean duration of each kind of work
-    (engine starts, measurements) done so far."""
+    (the first engine start, measurements, later engine starts: faster, compilation is cached)
+    done so far."""
 
-    def __init__(self, starts: int, measures: int, enabled: bool = True):
-        self.left = {"start": starts, "measure": measures}
-        self.spent: dict[str, list[float]] = {"start": [], "measure": []}
-        self.total = starts + measures
+    STARTS = ("start", "restart")
+
+    def __init__(self, starts: int, measures: int, enabled: bool = True, restarts: int = 0):
+        self.left = {"start": starts, "measure": measures, "restart": restarts}
+        self.spent: dict[str, list[float]] = {kind: [] for kind in self.left}
+        self.total = starts + measures + restarts
         self.enabled = enabled
 
     def done(self, kind: str, seconds: float, message: str) -> None:
@@ -395,12 +398,20 @@ class Progress:
         self.say(f"tune [{n}/{self.total}] {message} ({seconds:.1f} s; {self.eta()})")
 
     def eta(self) -> str:
-        """The work left at the mean duration of its kind so far; unknown while a kind of work
-        still to come has not been timed once (an engine start says nothing of a measurement)."""
+        """The work left at the mean duration of its kind so far; unknown while measurements
+        still to come have not been timed once (an engine start says nothing of a measurement),
+        and engine starts not timed yet are named instead of guessed."""
         left = {kind: n for kind, n in self.left.items() if n > 0}
-        if any(not self.spent[kind] for kind in left):
+        untimed = [kind for kind in left if not self.spent[kind]]
+        if any(kind not in self.STARTS for kind in untimed):
             return "ETA unknown"
-        seconds = sum(n * statistics.mean(self.spent[kind]) for kind, n in left.items())
+        seconds = sum(
+            n * statistics.mean(self.spent[k]) for k, n in left.items() if k not in untimed
+        )
+        starts = sum(left[kind] for kind in untimed)
+        if starts:
+            more = "an engine start" if starts == 1 else f"{starts} engine starts"
+            return f"ETA {_duration(seconds)} + {more}"
         return f"ETA {_duration(seconds)}" if seconds > 0 else "done"
 
     def say(self, message: str) -> None:
@@ -454,7 +465,7 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
     runs = 2 if plan.temperature > 0 else 1
     plain_runs = len(plan.batch_sizes) if plan.plain else 0
     meter = Progress(
-        2 if plan.plain else 1, len(plan.ks) * len(plan.batch_sizes) + runs + plain_runs, progress
+        1, len(plan.ks) * len(plan.batch_sizes) + runs + plain_runs, progress, int(plan.plain)
     )
     out = Measurements({}, [], 0.0, 0.0)
     label = f"{plan.method} block {plan.block}"
@@ -496,7 +507,7 @@ def time_plain_decoding(plan: TunePlan, prompts: list[str], kwargs: dict, meter,
         prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
         warm_up(llm, prompt_ids, max(plan.batch_sizes), 0)
         out.plain_start_s = time.perf_counter() - t0
-        meter.done("start", out.plain_start_s, "engine for plain decoding started, warmed up")
+        meter.done("restart", out.plain_start_s, "engine for plain decoding started, warmed up")
         out.plain = time_every_batch(llm, prompt_ids, 0, plan, meter, "plain decoding")
     finally:
         release(llm)
