@@ -312,6 +312,14 @@ def test_scattered_points_are_reported():
 
     assert "warning: step times scattered at 1 of 12 points" in format_tune_report(report)
     assert _report()["scattered"] == []
+    with_plain = _measurements(plain_ms=PLAIN_MS)
+    with_plain.plain[2].seconds = [0.010, 0.030, 0.010, 0.030]  # plain decoding, batch 4
+    report = _report(measurements=with_plain)
+    assert report["scattered"] == [] and report["plain_scattered"] == [4]
+    assert (
+        "warning: step times scattered at 1 of 16 points (quartiles more than 25% of the median "
+        "apart: plain decoding at batch 4)" in format_tune_report(report)
+    )
 
 
 def test_progress_eta(capsys):

@@ -619,6 +619,7 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
         "scattered": [
             [t.batch, t.k] for t in sorted(m.timings, key=lambda t: (t.batch, t.k)) if t.scattered
         ],
+        "plain_scattered": sorted(t.batch for t in m.plain if t.scattered),
         "seconds": round(m.seconds, 2),
         "engine_start_s": round(m.engine_start_s, 2),
         "plain_engine_start_s": (

@@ -76,12 +76,13 @@ def format_tune_report(report: dict, schedule_file: str | None = None) -> str:
             + ": a schedule cannot turn speculation off there; if your load sits at those batch "
             "sizes, serve without --speculative-config"
         )
-    scattered = report["scattered"]
+    scattered = [f"batch {b} k={k}" for b, k in report["scattered"]]
+    scattered += [f"plain decoding at batch {b}" for b in report.get("plain_scattered") or []]
     if scattered:
         lines.append(
-            f"warning: step times scattered at {len(scattered)} of {len(rows)} points (quartiles "
-            "more than 25% of the median apart: "
-            + ", ".join(f"batch {b} k={k}" for b, k in scattered[:6])
+            f"warning: step times scattered at {len(scattered)} of {len(rows) + len(plain)} "
+            "points (quartiles more than 25% of the median apart: "
+            + ", ".join(scattered[:6])
             + (", ..." if len(scattered) > 6 else "")
             + "); was the machine busy? rerun on an idle machine or with more --steps"
         )
