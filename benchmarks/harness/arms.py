@@ -29,7 +29,6 @@ class TunedSchedule:
     """The speculative config ``vllm-nemotron-spec tune --out FILE`` wrote: the draft's method, the
     block drafted every step and the per-batch-size ranges of verified drafts."""
 
-    path: str
     method: str
     num_speculative_tokens: int
     ranges: list
@@ -66,7 +65,7 @@ def read_schedule(path: str) -> TunedSchedule:
             f"--schedule {path}: num_speculative_tokens_per_batch_size is {ranges!r}, expected "
             "a non-empty list of [start, end, k] integer ranges"
         )
-    return TunedSchedule(str(path), method, block, ranges)
+    return TunedSchedule(method, block, ranges)
 
 
 def is_tuned(name: str) -> bool:

@@ -487,13 +487,15 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
             out.timings += time_every_batch(llm, prompt_ids, k, plan, meter, name)
     finally:
         release(llm)
-    if plan.plain:
-        time_plain_decoding(plan, prompts, kwargs, meter, out)
+    if plan.plain:  # the target's tokenizer: the prompt ids serve both engines
+        time_plain_decoding(plan, prompt_ids, kwargs, meter, out)
     out.seconds = time.perf_counter() - start
     return out
 
 
-def time_plain_decoding(plan: TunePlan, prompts: list[str], kwargs: dict, meter, out) -> None:
+def time_plain_decoding(
+    plan: TunePlan, prompt_ids: list[list[int]], kwargs: dict, meter, out
+) -> None:
     """The baseline: an engine with the same settings and no speculation, each batch size timed
     as the measuring engine's (one token a request a step)."""
     from vllm_nemotron_spec.runs import make_llm, release
@@ -503,8 +505,6 @@ def time_plain_decoding(plan: TunePlan, prompts: list[str], kwargs: dict, meter,
     with meter.waiting("the plain-decoding engine is starting"):
         llm = make_llm(plan.target, None, **kwargs)
     try:
-        tokenizer = llm.get_tokenizer()
-        prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
         warm_up(llm, prompt_ids, max(plan.batch_sizes), 0)
         out.plain_start_s = time.perf_counter() - t0
         meter.done("restart", out.plain_start_s, "engine for plain decoding started, warmed up")
