@@ -585,7 +585,7 @@ class _ChunkedPrefillEngine:
 def test_every_batch_decodes_the_steps_timed_while_its_prompts_prefill_in_chunks(batch, budget, k):
     """A batch whose prompts prefill over several steps (1,023 tokens each, ``budget`` per step)
     still gives every timed step with all its requests decoding: the first requests must not
-    finish while the last ones are still prefilling (as happened at k=0, batch 2 on a GPU)."""
+    finish while the last ones are still prefilling (at k=0 one token a step leaves no slack)."""
     engine = _ChunkedPrefillEngine(budget, k)
     llm = types.SimpleNamespace(llm_engine=engine)
     plan = types.SimpleNamespace(warmup_steps=4, steps=16, temperature=0.0)
