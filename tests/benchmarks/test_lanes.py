@@ -167,6 +167,40 @@ def test_a_start_that_runs_past_the_budget_is_stopped_and_says_so(monkeypatch):
     assert "--first-start-s" in status and "gave no answer" in status
 
 
+def test_a_long_start_that_answers_inside_the_budget_is_not_stopped(monkeypatch):
+    """A start may take most of the budget: it is judged against the budget's end, not
+    against what was left when it began (480 s budget, a cold start answering after 330 s)."""
+
+    class Clock:
+        now = 0.0
+
+        def monotonic(self):
+            self.now += 1.0
+            return self.now
+
+        def sleep(self, _):
+            pass
+
+    clock = Clock()
+    monkeypatch.setattr(lanes, "time", clock)
+
+    class Cold(FakeLane):
+        def ready(self):
+            return bool(self.pending) and clock.now >= 330.0
+
+        def receive(self, timeout):
+            if not self.ready():  # the real lane: no answer yet, so it is killed
+                raise lanes.LaneError(f"lane {self.name} gave no answer in {timeout:.0f} s")
+            return super().receive(timeout)
+
+    fakes = FakeLanes([])
+    fakes.by_name["plugin"] = Cold("plugin", [])
+    only = [[arm("d7-plugin")]]
+    budget = Budget(480, 300.0, clock=clock.monotonic)
+    lanes.run_groups(only, fakes, budget, lambda arms: None, lambda a: None, 1)
+    assert only[0][0].status == "ok"
+
+
 @pytest.mark.parametrize("text", ["dspark3", "dspark3,plain", "plain,dflash5-plugin"])
 def test_speed_arms_parse_into_groups(text):
     from benchmarks.harness.arms import parse_arms
