@@ -234,6 +234,8 @@ def test_text_report_and_serving_commands(monkeypatch):
     assert config["num_speculative_tokens_per_batch_size"] == RANGES
     assert "json.load(open('/out/schedule.json'))" in text
     assert "batch sizes above 8 keep k=0" in text
+    # k=1 at 2..7 is verified from a block of 2: the same k alone drafts less (k=0 is plain's)
+    assert "every step drafts the block of 2; at batch sizes 2-7 (k=1) only k are verified" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("4 "))
     assert row.count("*") == 1 and "345.5*" in row
     plain = tr.format_tune_report(_report(_plan(temperature=0.8), _measurements(
@@ -602,3 +604,22 @@ def test_tokens_requested_cover_the_prefill_steps():
     assert tune.tokens_to_request(21, 0, 64 * 1023, config) == 21 + 8 + 2
     assert tune.tokens_to_request(21, 7, 64 * 1023, config) == (21 + 8 + 2) * 8
     assert tune.tokens_to_request(21, 3, 100, config) == (21 + 1 + 2) * 4
+
+
+@pytest.mark.parametrize(
+    "schedule, said",
+    [
+        ([[1, 15, 7], [16, 63, 5], [64, 64, 3]], "16-63 (k=5), 64 and above (k=3)"),
+        ([[1, 3, 7], [4, 4, 5], [5, 8, 7]], "4 (k=5) only"),
+        ([[1, 8, 7]], None),
+        ([[1, 3, 7], [4, 8, 0]], None),  # k=0 is not a smaller block: plain decoding's note
+    ],
+)
+def test_ranges_verifying_less_than_the_drafted_block_are_named(schedule, said):
+    from vllm_nemotron_spec.bench.tune_report import smaller_k_lines
+
+    lines = smaller_k_lines(schedule, 7)
+    if said is None:
+        assert lines == []
+    else:
+        assert f"every step drafts the block of 7; at batch sizes {said}" in lines[0]

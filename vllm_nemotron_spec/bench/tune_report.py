@@ -121,6 +121,7 @@ def serving_lines(report: dict, schedule_file: str | None = None) -> list[str]:
                 f"(served with a block of {top}, the schedule's largest k: drafting costs less "
                 f"than the block of {report['block']} measured{dflash})"
             )
+        lines += smaller_k_lines(report["schedule"], top)
         lines += [
             f"(batch sizes above {last[1]} keep k={last[2]}: vLLM carries the last range on)",
             "",
@@ -130,6 +131,25 @@ def serving_lines(report: dict, schedule_file: str | None = None) -> list[str]:
             *("  " + line for line in llm_example(report, schedule_file).splitlines()),
         ]
     return lines
+
+
+def smaller_k_lines(schedule: list, top: int) -> list[str]:
+    """Where the schedule verifies fewer than the block it drafts every step: there an engine
+    serving that k alone drafts only k, a shorter step, which the one engine cannot measure."""
+    below = [r for r in schedule if 0 < r[2] < top]
+    if not below:
+        return []
+    last = schedule[-1]
+    where = ", ".join(
+        f"{s} and above (k={k})" if [s, e, k] == last else f"{s}-{e} (k={k})" if s < e
+        else f"{s} (k={k})"
+        for s, e, k in below
+    )  # fmt: skip
+    return [
+        f"(every step drafts the block of {top}; at batch sizes {where} only k are verified. An "
+        "engine with num_speculative_tokens=k drafts k and its step is shorter: if your load "
+        "stays there, serve both and compare; docs/tune.md)"
+    ]
 
 
 def _chosen(c: dict) -> str:
