@@ -196,14 +196,17 @@ def step_floors(
     context: int,
     kv_bytes: float = 1.0,
     bandwidth_tbs: float = H200_BANDWIDTH_TBS,
+    drafted: int | None = None,
 ) -> dict:
-    """Per part: the bytes by component, their total and the floor in ms; and the step's sum."""
+    """Per part: the bytes by component, their total and the floor in ms; and the step's sum.
+    ``num_spec`` drafts are verified; ``drafted`` (default ``num_spec``) are proposed: under a
+    per-batch-size schedule vLLM drafts the whole block whatever k it verifies."""
     parts = {
         "target": target_bytes(target, batch, num_spec, context, kv_bytes),
         "sampling": sampling_bytes(target.vocab, batch, num_spec),
     }
     if draft is not None and num_spec > 0:
-        parts["draft"] = draft_bytes(draft, batch, num_spec, context, kv_bytes)
+        parts["draft"] = draft_bytes(draft, batch, drafted or num_spec, context, kv_bytes)
     out = {}
     for name, components in parts.items():
         total = sum(components.values())

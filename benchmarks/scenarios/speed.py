@@ -389,7 +389,8 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
     kv_bytes = 1.0 if args.kv_cache_dtype.startswith("fp8") and not args.smoke else 2.0
     target = floors.TargetShape.from_config(target_cfg, quantized)
     draft = drafts[method] if method else None
-    return floors.step_floors(target, draft, conc, k, context, kv_bytes, args.bandwidth_tbs)
+    return floors.step_floors(target, draft, conc, k, context, kv_bytes, args.bandwidth_tbs,
+                              drafted=spec.get("num_spec") or k)  # fmt: skip
 
 
 COLUMNS = [

@@ -39,9 +39,10 @@ def profiled(kind, conc=1, **extra):
     return {"kind": kind, "conc": conc, "repeat": 0, "decode_only": True, **extra}
 
 
-def entry(tok_s, ms, num_spec=3, busy=4.0, parts=None, decode_only=True):
+def entry(tok_s, ms, num_spec=3, busy=4.0, parts=None, decode_only=True, conc=1):
     ws = [
-        wall(i, t, m, decode_only=decode_only or i != 1) for i, (t, m) in enumerate(zip(tok_s, ms))
+        wall(i, t, m, conc=conc, decode_only=decode_only or i != 1)
+        for i, (t, m) in enumerate(zip(tok_s, ms))
     ]
     ws.append(profiled("busy", busy_ms_per_step=busy))
     ws.append(profiled("split", parts_ms_per_step=parts or {}))
@@ -157,7 +158,8 @@ def test_spec_arg_reaches_the_draft_arms_only():
 
 def test_a_scheduled_arm_is_checked_and_floored_at_the_k_of_each_concurrency(configs):
     """tune's schedule served by a draft arm (``--spec-arg num_speculative_tokens_per_batch_size``):
-    at each concurrency the expected decode shape and the floors take the schedule's k."""
+    at each concurrency the expected decode shape and the target's floors take the schedule's k;
+    the draft's floor its whole block (vLLM drafts the block whatever k it verifies)."""
     from benchmarks.harness.arms import k_at
 
     ranges = [[1, 1, 7], [2, 15, 5], [16, 64, 3]]
@@ -165,12 +167,15 @@ def test_a_scheduled_arm_is_checked_and_floored_at_the_k_of_each_concurrency(con
     assert [k_at(sc, 7, c) for c in (1, 4, 16, 64, 128)] == [7, 5, 3, 3, 3]
     assert k_at(None, 7, 16) == k_at({}, 7, 16) == 7
     a = args(concurrency=[16])
-    scheduled = entry([100] * 3, [10.0] * 3, num_spec=7)
+    scheduled = entry([100] * 3, [10.0] * 3, num_spec=7, conc=16)
     scheduled["fingerprint"]["spec"]["speculative"] = sc
-    fixed = entry([100] * 3, [10.0] * 3, num_spec=3)
-    assert speed.floors_for("dspark7-plugin", scheduled, 16, *configs, True, a) == (
-        speed.floors_for("dspark3-plugin", fixed, 16, *configs, True, a)
-    )
+    fixed = entry([100] * 3, [10.0] * 3, num_spec=3, conc=16)
+    block = entry([100] * 3, [10.0] * 3, num_spec=7, conc=16)
+    got = speed.floors_for("dspark7-plugin", scheduled, 16, *configs, True, a)
+    at_k3 = speed.floors_for("dspark3-plugin", fixed, 16, *configs, True, a)
+    at_k7 = speed.floors_for("dspark7-plugin", block, 16, *configs, True, a)
+    assert got["target"] == at_k3["target"] and got["sampling"] == at_k3["sampling"]
+    assert got["draft"] == at_k7["draft"] != at_k3["draft"]  # markov_w2 read 7 times, not 3
 
 
 def _schedule_file(tmp_path, **over):
