@@ -136,18 +136,22 @@ def test_an_engine_that_fails_to_start_is_recorded_and_its_pair_is_measured_alon
     assert gs[0][1].status == "ok"
 
 
+class SteppingClock:
+    """lanes' ``time``: every reading is ``step`` seconds later; sleeping takes no time."""
+
+    def __init__(self, step):
+        self.now, self.step = 0.0, step
+
+    def monotonic(self):
+        self.now += self.step
+        return self.now
+
+    def sleep(self, _):
+        pass
+
+
 def test_a_start_that_runs_past_the_budget_is_stopped_and_says_so(monkeypatch):
-    class Clock:  # every reading is 10 s later: the start never answers
-        now = 0.0
-
-        def monotonic(self):
-            self.now += 10.0
-            return self.now
-
-        def sleep(self, _):
-            pass
-
-    clock = Clock()
+    clock = SteppingClock(10.0)  # the start never answers
     monkeypatch.setattr(lanes, "time", clock)
 
     class Stuck(FakeLane):
@@ -171,17 +175,7 @@ def test_a_long_start_that_answers_inside_the_budget_is_not_stopped(monkeypatch)
     """A start may take most of the budget: it is judged against the budget's end, not
     against what was left when it began (480 s budget, a cold start answering after 330 s)."""
 
-    class Clock:
-        now = 0.0
-
-        def monotonic(self):
-            self.now += 1.0
-            return self.now
-
-        def sleep(self, _):
-            pass
-
-    clock = Clock()
+    clock = SteppingClock(1.0)
     monkeypatch.setattr(lanes, "time", clock)
 
     class Cold(FakeLane):
