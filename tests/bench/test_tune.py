@@ -611,6 +611,7 @@ def test_tokens_requested_cover_the_prefill_steps():
     [
         ([[1, 15, 7], [16, 63, 5], [64, 64, 3]], "16-63 (k=5), 64 and above (k=3)"),
         ([[1, 3, 7], [4, 4, 5], [5, 8, 7]], "4 (k=5) only"),
+        ([(1, 3, 5), (4, 8, 3)], "4 and above (k=3)"),  # tuples, as a caller may pass them
         ([[1, 8, 7]], None),
         ([[1, 3, 7], [4, 8, 0]], None),  # k=0 is not a smaller block: plain decoding's note
     ],
@@ -618,8 +619,9 @@ def test_tokens_requested_cover_the_prefill_steps():
 def test_ranges_verifying_less_than_the_drafted_block_are_named(schedule, said):
     from vllm_nemotron_spec.bench.tune_report import smaller_k_lines
 
-    lines = smaller_k_lines(schedule, 7)
+    top = max(k for _, _, k in schedule)
+    lines = smaller_k_lines(schedule, top)
     if said is None:
         assert lines == []
     else:
-        assert f"every step drafts the block of 7; at batch sizes {said}" in lines[0]
+        assert f"every step drafts the block of {top}; at batch sizes {said}" in lines[0]

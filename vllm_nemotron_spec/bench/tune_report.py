@@ -136,15 +136,14 @@ def serving_lines(report: dict, schedule_file: str | None = None) -> list[str]:
 def smaller_k_lines(schedule: list, top: int) -> list[str]:
     """Where the schedule verifies fewer than the block it drafts every step: there an engine
     serving that k alone drafts only k, a shorter step, which the one engine cannot measure."""
-    below = [r for r in schedule if 0 < r[2] < top]
+    last = len(schedule) - 1
+    below = [(i, *r) for i, r in enumerate(schedule) if 0 < r[2] < top]
     if not below:
         return []
-    last = schedule[-1]
     where = ", ".join(
-        f"{s} and above (k={k})" if [s, e, k] == last else f"{s}-{e} (k={k})" if s < e
-        else f"{s} (k={k})"
-        for s, e, k in below
-    )  # fmt: skip
+        f"{s} and above (k={k})" if i == last else f"{s}-{e} (k={k})" if s < e else f"{s} (k={k})"
+        for i, s, e, k in below
+    )
     return [
         f"(every step drafts the block of {top}; at batch sizes {where} only k are verified. An "
         "engine with num_speculative_tokens=k drafts k and its step is shorter: if your load "
