@@ -222,6 +222,9 @@ class Lanes:
 # the schedule
 
 
+ARM_MEASUREMENTS = "an arm's measurements"  # the budget's label for them
+
+
 def run_groups(groups: list[list[Arm]], lanes: Lanes, budget, measure, record, max_resident: int):
     """Build and measure ``groups`` in order (see the module doc). ``measure(arms)`` measures a
     group's built arms; ``record(arm)`` is called whenever an arm's status changes."""
@@ -242,7 +245,10 @@ def run_groups(groups: list[list[Arm]], lanes: Lanes, budget, measure, record, m
                 _wait_for_build(lanes, budget, record, done)
             ready = [a for a in group if a.status == "ready"]
             if ready:
+                began = time.monotonic()
                 measure(ready)
+                # later arms are judged by what an arm's measurements took here
+                budget.record_work(ARM_MEASUREMENTS, (time.monotonic() - began) / len(ready))
             for a in ready:
                 if a.status == "ready":
                     a.status = "ok"
@@ -275,7 +281,7 @@ def _start_builds(lanes, queues, order, budget, record, max_resident, done) -> N
             return
         _, lane, queue = min(heads, key=lambda h: h[0])
         arm = queue.pop(0)
-        need = budget.start_estimate() + arm.measure_s
+        need = budget.start_estimate() + budget.work_estimate(ARM_MEASUREMENTS, arm.measure_s)
         if not budget.fits(need):
             arm.status = budget.skipped(f"{arm.name} (engine start and measurements)", need)
             print(f"[{budget.elapsed():5.0f}s] {arm.name}: {arm.status}", flush=True)

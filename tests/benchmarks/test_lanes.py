@@ -195,6 +195,27 @@ def test_a_long_start_that_answers_inside_the_budget_is_not_stopped(monkeypatch)
     assert only[0][0].status == "ok"
 
 
+def test_later_arms_are_judged_by_the_measurements_seen(monkeypatch):
+    """An arm's measurements are estimated at 400 s before any ran; the first took 250 s, so with
+    ~350 s left the second (a start of ~1 s plus 250 s) still fits and is measured."""
+    clock = SteppingClock(0.0)  # moves only when a measurement runs
+    monkeypatch.setattr(lanes, "time", clock)
+    log = []
+
+    def measure(arms):
+        clock.now += 250.0
+        log.append(("measure", tuple(a.name for a in arms)))
+
+    two = [
+        [lanes.Arm("a", "alone", {"name": "a"}, 400.0)],
+        [lanes.Arm("b", "alone", {"name": "b"}, 400.0)],
+    ]
+    lanes.run_groups(two, FakeLanes(log), Budget(600, 1.0, clock=clock.monotonic), measure,
+                     lambda a: None, 1)  # fmt: skip
+    assert [a.status for g in two for a in g] == ["ok", "ok"]
+    assert ("measure", ("b",)) in log
+
+
 @pytest.mark.parametrize("text", ["dspark3", "dspark3,plain", "plain,dflash5-plugin"])
 def test_speed_arms_parse_into_groups(text):
     from benchmarks.harness.arms import parse_arms
