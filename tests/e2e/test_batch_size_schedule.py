@@ -347,11 +347,11 @@ def test_tune_times_every_k_while_a_batch_prefills_in_chunks(tiny_family, traine
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
     assert code == 0, err.getvalue()[-2000:]
-    cells = {(m["batch"], m["k"]): m for m in json.loads(out.getvalue())["measurements"]}
+    report = json.loads(out.getvalue())
+    cells = {(m["batch"], m["k"]): m for m in report["measurements"]}
     assert set(cells) == {(b, k) for b in (1, 2) for k in (0, 1)}
     assert cells[(2, 0)]["steps"] == 3 and cells[(2, 0)]["measured_tokens_per_step"] == 1.0
     # plain decoding, timed in a second engine without speculation: one token a request a step
-    report = json.loads(out.getvalue())
     plain = {p["batch"]: p for p in report["plain"]}
     assert set(plain) == {1, 2} and report["plain_engine_start_s"] > 0
     for p in plain.values():
