@@ -6,7 +6,9 @@ the schedule; vLLM's Mamba metadata builder refuses the capture of any k below
 ``patches/mamba_schedule_graph_capture.py`` the fp32 DFlash and DSpark engines of the tiny family
 start with full graphs, the batch shrinks 4 -> 3 -> 2 -> 1 through every k of the schedule (0
 included), and the tokens equal plain decoding's (also with CUDA graphs); so do they with each k
-of the schedule set for every batch size of the running engine (``tune``'s measurements).
+of the schedule set for every batch size of the running engine (``tune``'s measurements). The
+DSpark engine drafts only the step's k (``patches/v2_dspark_draft_k.py``): a layout and captured
+graphs for each k between 0 and the block.
 """
 
 from __future__ import annotations
@@ -82,9 +84,22 @@ def scheduled(request, tiny_family, trained, prompts, tmp_path_factory):
             with recorded_schedule(llm) as forced_steps:
                 forced[k] = (_generate(llm, prompts), {s[1] for s in forced_steps})
         set_engine_num_spec_tokens(llm, None)
+        (layouts,) = llm.collective_rpc(_draft_layouts_in_worker)
         return dict(method=method, tokens=tokens, steps=steps, facts=engine_facts(llm),
                     full_graphs=config.cudagraph_mode.has_full_cudagraphs(),
-                    forced=forced)  # fmt: skip
+                    forced=forced, layouts=layouts)  # fmt: skip
+
+
+def _draft_layouts_in_worker(worker) -> dict:
+    """Per k layout of the speculator: its query tokens a request and the token counts of its
+    captured graphs (runs inside the worker)."""
+    from vllm_nemotron_spec.patches.v2_dspark_draft_k import LAYOUTS
+
+    speculator = worker.model_runner.speculator
+    return {
+        k: (layout["num_query_per_req"], layout["query_cudagraph_manager"].captured_token_counts())
+        for k, layout in getattr(speculator, LAYOUTS, {}).items()
+    }
 
 
 def test_the_engine_starts_with_full_graphs_on_the_v2_runner(scheduled):
@@ -113,3 +128,19 @@ def test_each_k_set_on_the_running_engine_runs_alone_and_exact(scheduled, plain)
     for k, (tokens, asked) in scheduled["forced"].items():
         assert asked == {k}, (k, asked)
         assert tokens == plain, f"{scheduled['method']}, k={k}: tokens differ from plain decoding"
+
+
+def test_dspark_drafts_only_the_steps_k(scheduled):
+    """DSpark (causal block attention): each k strictly between 0 and the block has its own
+    layout, 1 + k query tokens a request (the bonus anchor, ``sample_from_anchor: false`` as
+    in Nemotron's drafts), with full graphs captured for them; DFlash (non-causal) keeps vLLM's
+    whole block."""
+    if scheduled["method"] == "dflash":
+        assert scheduled["layouts"] == {}
+        return
+    assert patches.is_installed("v2_dspark_draft_k"), patches.state("v2_dspark_draft_k")
+    layouts = scheduled["layouts"]
+    assert sorted(layouts) == [1, 2]
+    for k, (per_req, counts) in layouts.items():
+        assert per_req == 1 + k
+        assert counts and all(n % per_req == 0 for n in counts), (k, counts)

@@ -247,6 +247,15 @@ PATCHES: tuple[Patch, ...] = (
         "no public accessor upstream",
         "when DSparkSpeculator passes the anchors to the hook",
     ),
+    Patch(
+        "v2_dspark_draft_k",
+        "v1.worker.gpu.spec_decode.dspark.speculator.DSparkSpeculator.propose",
+        False,
+        "under a per-batch-size schedule every step drafts the whole block whatever k it "
+        "verifies: at a k below the block the step costs more than an engine serving k alone",
+        "not reported yet",
+        "when vLLM's speculator drafts the step's k itself",
+    ),
 )
 
 INSTALLED = "installed"
