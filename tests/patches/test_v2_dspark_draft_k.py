@@ -37,7 +37,9 @@ def test_the_swapped_attributes_are_what_the_draft_step_reads():
     by_name = {t.qualname.split(".")[-1]: inspect.getsource(_upstream(t)) for t in patch.TARGETS}
     assert "uniform_token_count=self.num_query_per_req" in by_name["propose"]
     assert "self.query_cudagraph_manager" in by_name["propose"]
-    assert "self.sample_col[:num_sample]" in by_name["_generate_draft"]
+    # DSpark's draft step: the backbone, then the walk, which stores drafts column by column
+    assert "self._sample_sequential(num_reqs, head_hidden)" in by_name["_generate_draft"]
+    assert "self.draft_tokens[:num_reqs, i] = draft_sampled_i" in by_name["_sample_sequential"]
     assert "self.num_speculative_steps" in by_name["_sample_sequential"]
     assert "self._anchor_idx[:num_reqs]" in by_name["_sample_sequential"]
     assert "* self.num_query_per_req" in by_name["__init__"]  # _anchor_idx's stride
@@ -103,6 +105,9 @@ def test_layouts_are_the_schedules_k_between_0_and_the_block():
     assert patch.layout_ks(_Speculator(ranges=None)) == []
     assert patch.layout_ks(_Speculator(non_causal=True)) == []  # DFlash: drafts would differ
     assert patch.layout_ks(_Speculator(dp=2)) == []  # vLLM serves the block under DP
+    confident = _Speculator()
+    confident.use_confidence_head = True
+    assert patch.layout_ks(confident) == []
 
 
 @pytest.mark.parametrize("from_anchor", [False, True])
@@ -112,8 +117,9 @@ def test_each_k_gets_its_query_length_its_manager_and_its_captured_graphs(from_a
     assert sorted(layouts) == [3, 5]
     for k, layout in layouts.items():
         per_req = k if from_anchor else 1 + k
-        assert layout["num_query_per_req"] == layout["query_cudagraph_manager"].query_len == per_req
-        assert layout["query_cudagraph_manager"].captured == [k]  # captured with k in place
+        manager = getattr(speculator, patch.manager_attr(k))  # vLLM's profiling can find it
+        assert layout["num_query_per_req"] == manager.query_len == per_req
+        assert manager.captured == [k]  # captured with k in place
         assert layout["sample_col"].tolist() == list(range(k)) * 4
         assert layout["_anchor_idx"].tolist() == [0, per_req, 2 * per_req, 3 * per_req]
     # the block's own layout is back in place, its graphs captured once
@@ -141,3 +147,16 @@ def test_without_a_schedule_nothing_changes():
     assert getattr(speculator, patch.LAYOUTS) == {}
     speculator.propose(num_speculative_tokens=7)
     assert speculator.seen == [(7, 7, 8, 28)]
+
+
+def test_managers_dropped_by_vllms_graph_memory_profiling_are_built_again():
+    """vLLM's profiling sets every graph manager attribute of the speculator to None; the next
+    ``init_cudagraph_manager`` (the real start-up) builds each k's again."""
+    speculator = _patched()
+    for name, value in list(vars(speculator).items()):
+        if isinstance(value, _Manager):
+            setattr(speculator, name, None)
+    assert getattr(speculator, patch.manager_attr(3)) is None
+    speculator.init_cudagraph_manager("FULL")
+    speculator.propose(num_speculative_tokens=3)
+    assert speculator.seen[-1] == (3, 3, 4, 12)

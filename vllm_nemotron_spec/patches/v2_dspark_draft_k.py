@@ -53,11 +53,7 @@ TARGETS = (
         "DSparkSpeculator._sample_sequential",
         {"f977418c074dd4a6": "0.33.0", "93d1a0ca6786800b": "0.32.0"},
     ),
-    Target(
-        DFLASH_MODULE,
-        "DFlashSpeculator._generate_draft",
-        {"d4abedd2ced572c1": "0.33.0", "9b85d01b3ca340c1": "0.32.0"},
-    ),
+    Target(DSPARK_MODULE, "DSparkSpeculator._generate_draft", {"b51f7bb532f7b207": _BOTH}),
     Target(
         DFLASH_MODULE, "DFlashSpeculator._num_graph_context_tokens", {"18b5e49ce1722ef7": _BOTH}
     ),
@@ -86,11 +82,14 @@ SWAPPED = (
 
 def layout_ks(speculator: Any) -> list[int]:
     """The k of the schedule that get their own layout: strictly between 0 (no query pass) and
-    the block; none for a non-causal draft, without a schedule, or under data parallelism."""
+    the block; none for a non-causal draft, a draft with a confidence head, without a schedule,
+    or under data parallelism."""
     spec = speculator.vllm_config.speculative_config
     ranges = getattr(spec, "num_speculative_tokens_per_batch_size", None) or ()
     if not ranges or speculator.requires_non_causal or getattr(speculator, "dp_size", 1) > 1:
         return []
+    if getattr(speculator, "use_confidence_head", False):
+        return []  # its confidences are stored [requests, block] in one assignment
     block = speculator.num_speculative_steps
     return sorted({int(k) for _, _, k in ranges if 0 < int(k) < block})
 
@@ -99,8 +98,16 @@ def block_layout(speculator: Any) -> dict:
     return {name: getattr(speculator, name) for name in SWAPPED}
 
 
+def manager_attr(k: int) -> str:
+    """The speculator attribute holding layout ``k``'s CUDA graph manager. A manager must be an
+    attribute of its own: vLLM's graph-memory profiling drops every ``CudaGraphManager`` it finds
+    in ``vars(speculator)`` (their graphs live in a throwaway pool) before the real start-up
+    builds them again."""
+    return f"_nemotron_spec_draft_k{k}_cudagraph_manager"
+
+
 def bare_layout(speculator: Any, k: int) -> dict:
-    """Layout ``k`` without its CUDA graph manager (built with the layout in place)."""
+    """Layout ``k``; its CUDA graph manager is read from :func:`manager_attr` when swapped in."""
     import torch
 
     device = speculator.device
@@ -109,7 +116,7 @@ def bare_layout(speculator: Any, k: int) -> dict:
     return {
         "num_speculative_steps": k,
         "num_query_per_req": per_req,
-        "query_cudagraph_manager": None,
+        "query_cudagraph_manager": manager_attr(k),
         "sample_col": steps.repeat(speculator.max_num_reqs),
         "_step_cols": steps.clone(),
         # each request's anchor: the first query row of its block of per_req
@@ -123,6 +130,8 @@ def layout_of(speculator: Any, layout: dict):
     """``layout`` in place for the duration; the previous one restored after, also on error."""
     before = block_layout(speculator)
     for name, value in layout.items():
+        if name == "query_cudagraph_manager":
+            value = getattr(speculator, value, None)
         setattr(speculator, name, value)
     try:
         yield
@@ -139,7 +148,7 @@ def per_k_init_cudagraph_manager(original: Callable) -> Callable:
             layout = bare_layout(self, k)
             with layout_of(self, layout):
                 original(self, cudagraph_mode)  # a manager for k's query length
-                layout["query_cudagraph_manager"] = self.query_cudagraph_manager
+                setattr(self, manager_attr(k), self.query_cudagraph_manager)
             layouts[k] = layout
         setattr(self, LAYOUTS, layouts)
 
