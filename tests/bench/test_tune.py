@@ -252,7 +252,7 @@ def test_report_sets_the_schedule_beside_plain_decoding(monkeypatch):
     from vllm_nemotron_spec.bench import tune_report as tr
 
     report = _report(measurements=_measurements(plain_ms=PLAIN_MS))
-    assert report["schema"] == "vllm-nemotron-spec.tune/3"
+    assert report["schema"] == "vllm-nemotron-spec.tune/4"
     assert report["plain"][1] == {"batch": 2, "step_ms": 9.0, "step_ms_quartiles": [9.0, 9.0],
                                   "steps": 3, "measured_tokens_per_step": 1.0,
                                   "tokens_per_s": pytest.approx(222.222, abs=1e-3)}  # fmt: skip
@@ -625,3 +625,46 @@ def test_ranges_verifying_less_than_the_drafted_block_are_named(schedule, said):
         assert lines == []
     else:
         assert f"every step drafts the block of {top}; at batch sizes {said}" in lines[0]
+
+
+def test_ks_that_draft_only_k_are_not_named_as_drafting_the_block(monkeypatch):
+    """DSpark on the V2 runner drafts only k (patches/v2_dspark_draft_k.py): the engine says
+    which k, the report records them and names only the others' ranges."""
+    from vllm_nemotron_spec.bench import tune_report as tr
+
+    schedule = [[1, 15, 7], [16, 63, 5], [64, 64, 3]]
+    assert tr.smaller_k_lines(schedule, 7, (3, 5)) == []
+    (line,) = tr.smaller_k_lines(schedule, 7, (5,))
+    assert "at batch sizes 64 and above (k=3) only k are verified" in line
+    m = _measurements()
+    m.drafts_only_k = [1]
+    report = _report(measurements=m)
+    assert report["drafts_only_k"] == [1]
+    monkeypatch.setattr("vllm_nemotron_spec.commands.serve_program", lambda: "vllm serve")
+    text = tr.format_tune_report(report)
+    assert "schedule serves it: k = 1 drafted and verified, other k: a block of 2" in text
+    assert "only k are verified" not in text  # the worked example's k=1 range drafts 1
+    assert _report()["drafts_only_k"] == []
+
+
+def test_the_engine_says_which_k_draft_only_k():
+    from vllm_nemotron_spec.patches.v2_dspark_draft_k import LAYOUTS, layout_ks_in_worker
+
+    class LLM:
+        def __init__(self, workers):
+            self.workers = workers
+
+        def collective_rpc(self, fn):
+            return [fn(w) for w in self.workers]
+
+    def worker(layouts=None):
+        speculator = None if layouts is None else types.SimpleNamespace(**{LAYOUTS: layouts})
+        return types.SimpleNamespace(model_runner=types.SimpleNamespace(speculator=speculator))
+
+    assert tune.engine_drafts_only_k(LLM([worker({5: {}, 3: {}}), worker({3: {}, 5: {}})])) == [
+        3,
+        5,
+    ]
+    assert tune.engine_drafts_only_k(LLM([worker(None)])) == []  # no V2 speculator
+    no_runner_speculator = types.SimpleNamespace(model_runner=types.SimpleNamespace())
+    assert layout_ks_in_worker(no_runner_speculator) == []  # the V1 runner has none

@@ -259,7 +259,7 @@ TUNE_BATCHES = (1, 2)
 def test_tune_measures_every_batch_size_and_k(tuned):
     report = tuned.report
     assert tuned.code == 0, tuned.stderr[-2000:]
-    assert report["schema"] == "vllm-nemotron-spec.tune/3"
+    assert report["schema"] == "vllm-nemotron-spec.tune/4"
     assert report["ks"] == list(TUNE_KS) and report["batch_sizes"] == list(TUNE_BATCHES)
     cells = {(m["batch"], m["k"]): m for m in report["measurements"]}
     assert set(cells) == {(b, k) for b in TUNE_BATCHES for k in TUNE_KS}

@@ -42,7 +42,7 @@ from vllm_nemotron_spec.bench.schedule import (
 )
 from vllm_nemotron_spec.runs import SpecCounters
 
-SCHEMA = "vllm-nemotron-spec.tune/3"
+SCHEMA = "vllm-nemotron-spec.tune/4"
 
 SCATTER_LIMIT = 0.25
 """A (batch, k) point whose step-time quartiles lie further apart than this share of the median
@@ -450,6 +450,7 @@ class Measurements:
     engine_start_s: float  # the measuring engine's start and first warm-up
     plain: list[StepTiming] = field(default_factory=list)  # k=0 of an engine without drafts
     plain_start_s: float | None = None
+    drafts_only_k: list[int] = field(default_factory=list)  # k whose steps draft k, not the block
 
 
 def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measurements:
@@ -474,6 +475,7 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
     with meter.waiting("the engine is starting: loading, compiling, capturing CUDA graphs"):
         llm = make_llm(plan.target, plan.speculative_config(), **kwargs)
     try:
+        out.drafts_only_k = engine_drafts_only_k(llm)
         tokenizer = llm.get_tokenizer()
         prompt_ids = [list(tokenizer.encode(p)) for p in prompts]
         for i, k in enumerate(plan.k_order):
@@ -491,6 +493,14 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
         time_plain_decoding(plan, prompt_ids, kwargs, meter, out)
     out.seconds = time.perf_counter() - start
     return out
+
+
+def engine_drafts_only_k(llm) -> list[int]:
+    """The k whose steps draft only k in this engine (``patches/v2_dspark_draft_k.py``: DSpark
+    on vLLM's V2 runner), read from its workers."""
+    from vllm_nemotron_spec.patches.v2_dspark_draft_k import layout_ks_in_worker
+
+    return sorted(set().union(*map(set, llm.collective_rpc(layout_ks_in_worker))))
 
 
 def time_plain_decoding(
@@ -584,6 +594,7 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
         "temperature": plan.temperature,
         "ks": list(plan.ks),
         "block": plan.block,
+        "drafts_only_k": list(m.drafts_only_k),
         "batch_sizes": list(plan.batch_sizes),
         "block_limit": plan.block_limit,
         "acceptance": {name: _acceptance_json(c) for name, c in m.acceptance.items()},

@@ -51,8 +51,8 @@ def format_tune_report(report: dict, schedule_file: str | None = None) -> str:
         "expected accepted drafts per step: "
         + ", ".join(f"k={k} {report['expected_accepted'][str(k)]:.2f}" for k in ks),
         "",
-        f"decode step time, ms (median) / expected output tokens/s; * = chosen. Each k ran as a "
-        f"schedule serves it: a block of {report['block']} drafted, k verified (k=0: no drafts)",
+        "decode step time, ms (median) / expected output tokens/s; * = chosen. Each k ran as a "
+        f"schedule serves it: {_drafted(report)}",
     ]
     plain = {p["batch"]: p for p in report.get("plain") or []}
     head = f"{'batch':>5}  " + "  ".join(f"{f'k={k}':>17}" for k in ks)
@@ -121,7 +121,7 @@ def serving_lines(report: dict, schedule_file: str | None = None) -> list[str]:
                 f"(served with a block of {top}, the schedule's largest k: drafting costs less "
                 f"than the block of {report['block']} measured{dflash})"
             )
-        lines += smaller_k_lines(report["schedule"], top)
+        lines += smaller_k_lines(report["schedule"], top, report.get("drafts_only_k") or ())
         lines += [
             f"(batch sizes above {last[1]} keep k={last[2]}: vLLM carries the last range on)",
             "",
@@ -133,11 +133,24 @@ def serving_lines(report: dict, schedule_file: str | None = None) -> list[str]:
     return lines
 
 
-def smaller_k_lines(schedule: list, top: int) -> list[str]:
-    """Where the schedule verifies fewer than the block it drafts every step: there an engine
-    serving that k alone drafts only k, a shorter step, which the one engine cannot measure."""
+def _drafted(report: dict) -> str:
+    only = report.get("drafts_only_k") or []
+    block = f"a block of {report['block']} drafted, k verified"
+    if not only:
+        return f"{block} (k=0: no drafts)"
+    return (
+        f"k = {', '.join(map(str, only))} drafted and verified, other k: {block} (k=0: no drafts)"
+    )
+
+
+def smaller_k_lines(schedule: list, top: int, drafts_only_k=()) -> list[str]:
+    """Where the schedule verifies fewer than the block it drafts every step (a k not in
+    ``drafts_only_k``): there an engine serving that k alone drafts only k, a shorter step,
+    which the one engine cannot measure."""
     last = len(schedule) - 1
-    below = [(i, *r) for i, r in enumerate(schedule) if 0 < r[2] < top]
+    below = [
+        (i, *r) for i, r in enumerate(schedule) if 0 < r[2] < top and r[2] not in drafts_only_k
+    ]
     if not below:
         return []
     where = ", ".join(
