@@ -648,7 +648,7 @@ def test_ks_that_draft_only_k_are_not_named_as_drafting_the_block(monkeypatch):
 
 
 def test_the_engine_says_which_k_draft_only_k():
-    from vllm_nemotron_spec.patches.v2_dspark_draft_k import LAYOUTS, layout_ks_in_worker
+    from vllm_nemotron_spec.patches.v2_dspark_draft_k import LAYOUTS
 
     class LLM:
         def __init__(self, workers):
@@ -657,14 +657,18 @@ def test_the_engine_says_which_k_draft_only_k():
         def collective_rpc(self, fn):
             return [fn(w) for w in self.workers]
 
-    def worker(layouts=None):
+    def v2_worker(layouts=None):
         speculator = None if layouts is None else types.SimpleNamespace(**{LAYOUTS: layouts})
         return types.SimpleNamespace(model_runner=types.SimpleNamespace(speculator=speculator))
 
-    assert tune.engine_drafts_only_k(LLM([worker({5: {}, 3: {}}), worker({3: {}, 5: {}})])) == [
-        3,
-        5,
-    ]
-    assert tune.engine_drafts_only_k(LLM([worker(None)])) == []  # no V2 speculator
-    no_runner_speculator = types.SimpleNamespace(model_runner=types.SimpleNamespace())
-    assert layout_ks_in_worker(no_runner_speculator) == []  # the V1 runner has none
+    def v1_worker(only_k):
+        drafter = types.SimpleNamespace(drafts_only_k=only_k, block_num_speculative_tokens=4)
+        return types.SimpleNamespace(model_runner=types.SimpleNamespace(drafter=drafter))
+
+    two = [v2_worker({5: {}, 3: {}}), v2_worker({3: {}, 5: {}})]
+    assert tune.engine_drafts_only_k(LLM(two)) == [3, 5]
+    assert tune.engine_drafts_only_k(LLM([v2_worker({})])) == []  # DFlash, or no patch
+    assert tune.engine_drafts_only_k(LLM([v1_worker(True)])) == [1, 2, 3]  # DSpark on V1
+    assert tune.engine_drafts_only_k(LLM([v1_worker(False)])) == []  # DFlash on V1
+    no_speculation = types.SimpleNamespace(model_runner=types.SimpleNamespace())
+    assert tune.engine_drafts_only_k(LLM([no_speculation])) == []

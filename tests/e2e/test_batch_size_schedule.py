@@ -184,12 +184,14 @@ def test_counters_count_exactly_the_scheduled_drafts(scheduled):
     assert c.num_accepted_tokens == sum(c.accepted_per_position)
 
 
-def test_the_whole_block_is_drafted_and_cut_to_k(scheduled):
-    """Every drafting step runs the draft on the whole block (``BLOCK`` drafts a request) and
-    returns the first k; a k = 0 step runs no draft forward."""
-    rows = BLOCK + 1  # [b, MASK x BLOCK]: both tiny drafts keep the bonus anchor row
+def test_dflash_drafts_the_whole_block_and_dspark_only_k(scheduled):
+    """DFlash (attends across its block) runs the draft on the whole block (``BLOCK`` drafts a
+    request) and returns the first k; DSpark (causal) runs it on k drafts; a k = 0 step runs no
+    draft forward."""
     for call in scheduled.calls:
         assert call["drafts_shape"] == (call["batch"], call["k"]), call["drafts_shape"]
+        drafted = BLOCK if scheduled.method == "dflash" else call["k"]
+        rows = 1 + drafted  # [b, MASK x drafted]: both tiny drafts keep the bonus anchor row
         expected = [] if call["k"] == 0 else [call["batch"] * rows]
         assert call["query_rows"] == expected, call
     assert {c["k"] for c in scheduled.calls} == {0, 1, 2, 4}
@@ -260,6 +262,7 @@ def test_tune_measures_every_batch_size_and_k(tuned):
     report = tuned.report
     assert tuned.code == 0, tuned.stderr[-2000:]
     assert report["schema"] == "vllm-nemotron-spec.tune/4"
+    assert report["drafts_only_k"] == [1]  # DSpark drafts k; k=2 is the block
     assert report["ks"] == list(TUNE_KS) and report["batch_sizes"] == list(TUNE_BATCHES)
     cells = {(m["batch"], m["k"]): m for m in report["measurements"]}
     assert set(cells) == {(b, k) for b in TUNE_BATCHES for k in TUNE_KS}
@@ -392,3 +395,48 @@ def test_the_k_of_a_running_engine_is_set_in_its_engine_core_process(
     assert started[1].num_draft_tokens == 0 and restored[1].num_draft_tokens == 0
     assert forced[1].num_drafts > 0
     assert forced[1].num_draft_tokens == 2 * forced[1].num_drafts
+
+
+def test_dspark_drafting_only_k_drafts_what_the_block_drafted(tiny_family, trained, prompts, plain):
+    """The premise of drafting only k: with causal block attention a step's first k drafts are
+    the block's. The same schedule, drafting the whole block and cutting it to k, then drafting
+    only k: every step's drafts are the same tokens (with DFlash, which attends across its
+    block, some steps' drafts differ), and so are the outputs (plain decoding's) and the
+    accepted drafts at every position."""
+    spec = {
+        "method": "dspark",
+        "model": str(trained.dspark),
+        "num_speculative_tokens": BLOCK,
+        "num_speculative_tokens_per_batch_size": SCHEDULE,
+    }
+    llm = runs.make_llm(str(tiny_family.target), spec, enable_prefix_caching=False)
+    runs_by_mode = {}
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        drafter = core.model_executor.driver_worker.worker.model_runner.drafter
+        assert drafter.drafts_only_k  # the DSpark draft's attention is causal
+        for only_k in (False, True):
+            drafter.drafts_only_k = only_k
+            with record_drafting(drafter) as calls:
+                recording, drafts = drafter.propose, []
+
+                def propose(**kwargs):
+                    out = recording(**kwargs)
+                    drafts.append(out.tolist())
+                    return out
+
+                drafter.propose = propose
+                tokens, counters = _generate(llm, prompts)
+            runs_by_mode[only_k] = (tokens, counters, drafts, calls)
+    finally:
+        runs.release(llm)
+    (t_block, c_block, d_block, calls_block), (t_k, c_k, d_k, calls_k) = (
+        runs_by_mode[False],
+        runs_by_mode[True],
+    )
+    assert d_k == d_block and any(any(row) for row in d_k)
+    # the query pass really differed: [b, MASK x k] rows against [b, MASK x BLOCK]
+    assert [c["query_rows"] for c in calls_k] != [c["query_rows"] for c in calls_block]
+    assert t_k == t_block == plain
+    assert c_k.accepted_per_position == c_block.accepted_per_position
+    assert (c_k.num_drafts, c_k.num_draft_tokens) == (c_block.num_drafts, c_block.num_draft_tokens)

@@ -496,11 +496,25 @@ def run_tune(plan: TunePlan, prompts: list[str], progress: bool = True) -> Measu
 
 
 def engine_drafts_only_k(llm) -> list[int]:
-    """The k whose steps draft only k in this engine (``patches/v2_dspark_draft_k.py``: DSpark
-    on vLLM's V2 runner), read from its workers."""
-    from vllm_nemotron_spec.patches.v2_dspark_draft_k import layout_ks_in_worker
+    """The k whose steps draft only k in this engine (a causal DSpark draft), read from its
+    workers."""
+    return sorted(set().union(*map(set, llm.collective_rpc(drafts_only_k_in_worker))))
 
-    return sorted(set().union(*map(set, llm.collective_rpc(layout_ks_in_worker))))
+
+def drafts_only_k_in_worker(worker) -> list[int]:
+    """In a worker (``LLM.collective_rpc``): the k with a layout of their own in vLLM's V2
+    speculator (``patches/v2_dspark_draft_k.py``), or on the V1 runner every k below the block
+    when the plugin's proposer drafts only k; [] where every step drafts the block."""
+    from vllm_nemotron_spec.patches.v2_dspark_draft_k import LAYOUTS
+
+    runner = worker.model_runner
+    speculator = getattr(runner, "speculator", None)
+    if speculator is not None:
+        return sorted(getattr(speculator, LAYOUTS, None) or {})
+    drafter = getattr(runner, "drafter", None)
+    if getattr(drafter, "drafts_only_k", False):
+        return list(range(1, drafter.block_num_speculative_tokens))
+    return []
 
 
 def time_plain_decoding(

@@ -80,13 +80,6 @@ SWAPPED = (
 """What a layout sets: every attribute the draft step reads its block size from."""
 
 
-def layout_ks_in_worker(worker: Any) -> list[int]:
-    """The k with a layout of their own in a worker's speculator (``LLM.collective_rpc``): []
-    where every step drafts the block (the V1 runner, DFlash, the patch not installed)."""
-    speculator = getattr(worker.model_runner, "speculator", None)
-    return sorted(getattr(speculator, LAYOUTS, None) or {})
-
-
 def layout_ks(speculator: Any) -> list[int]:
     """The k of the schedule that get their own layout: strictly between 0 (no query pass) and
     the block; none for a non-causal draft, a draft with a confidence head, without a schedule,

@@ -8,9 +8,11 @@ only runner on CPU) does not. Removal: when vLLM's V1 ``DFlashProposer`` accepts
 several KV-cache groups (or V1 is retired on CPU).
 
 Per-batch-size speculation (``num_speculative_tokens_per_batch_size``): the runner asks for k
-drafts per request this step (vLLM's scheduler picks k from the batch size); the proposer drafts
-the whole trained block and keeps the first k, as vLLM's V2 runner does, so a draft is the same
-token whatever k the step asked for (k = 0 stores the context K/V only).
+drafts per request this step (vLLM's scheduler picks k from the batch size). DFlash attends across
+its block, so the proposer drafts the whole trained block and keeps the first k, as vLLM's V2
+runner does: a draft is the same token whatever k the step asked for. A causal draft (DSpark)
+drafts only k: its first k drafts are the block's (``drafts_only_k``; on the V2 runner
+``patches/v2_dspark_draft_k.py``). k = 0 stores the context K/V only.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class Nemotron35DFlashProposer(DFlashProposer):
         # the block drafted every step: num_speculative_tokens of the config, whatever k a
         # per-batch-size schedule asks for (``propose``)
         self.block_num_speculative_tokens = self.num_speculative_tokens
+        # whether a step drafts only its k (a causal draft: the first k drafts are the block's)
+        self.drafts_only_k = False
         self._layer_gid: dict[str, int] = {}
         self._extra_gids: list[int] = []  # draft groups other than the runner's (kv_cache_gid)
         self._group_slots: dict[int, torch.Tensor] = {}  # gid -> query slot buffer
@@ -130,8 +134,9 @@ class Nemotron35DFlashProposer(DFlashProposer):
     @override
     def propose(self, num_speculative_tokens: int, *args, **kwargs) -> torch.Tensor:
         """Drafts ``[batch, k]`` for the k the runner asks for this step: the whole block is
-        drafted and the drafts past k are dropped (their draft probabilities too); k = 0 stores
-        the context K/V only (:meth:`store_context_only`)."""
+        drafted and the drafts past k are dropped (their draft probabilities too), or with
+        ``drafts_only_k`` k are drafted; k = 0 stores the context K/V only
+        (:meth:`store_context_only`)."""
         k = int(num_speculative_tokens)
         block = self.block_num_speculative_tokens
         if not 0 <= k <= block:
@@ -141,8 +146,9 @@ class Nemotron35DFlashProposer(DFlashProposer):
             )
         if k == 0:
             return self.store_context_only(*args, **kwargs)
-        drafts = super().propose(block, *args, **kwargs)
-        if k == block:
+        drafted = k if self.drafts_only_k else block
+        drafts = super().propose(drafted, *args, **kwargs)
+        if k == drafted:
             return drafts
         if self._last_draft_probs is not None:
             self._last_draft_probs = self._last_draft_probs[:, :k].contiguous()

@@ -68,7 +68,10 @@ class Nemotron35DSparkProposer(Nemotron35DFlashProposer):
         with _method_seen_as_dflash(vllm_config):
             super().__init__(vllm_config, device, runner)
         # the query layout from the one validated parse of the checkpoint (as the model reads it)
-        self.sample_from_anchor = draft_spec_from_vllm_config(vllm_config).sample_from_anchor
+        spec = draft_spec_from_vllm_config(vllm_config)
+        self.sample_from_anchor = spec.sample_from_anchor
+        # causal block attention: a step's first k drafts are the block's, so it drafts only k
+        self.drafts_only_k = spec.causal
 
     @property
     def bonus_anchor_row(self) -> bool:
