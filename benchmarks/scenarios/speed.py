@@ -389,8 +389,11 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
     kv_bytes = 1.0 if args.kv_cache_dtype.startswith("fp8") and not args.smoke else 2.0
     target = floors.TargetShape.from_config(target_cfg, quantized)
     draft = drafts[method] if method else None
+    # under a schedule vLLM drafts the whole block; the plugin's DSpark drafts the step's k
+    only_k = method == "dspark" and lane_of(name) == "plugin"
+    drafted = k if only_k else spec.get("num_spec") or k
     return floors.step_floors(target, draft, conc, k, context, kv_bytes, args.bandwidth_tbs,
-                              drafted=spec.get("num_spec") or k)  # fmt: skip
+                              drafted=drafted)  # fmt: skip
 
 
 COLUMNS = [
@@ -480,8 +483,8 @@ SCHEDULE_COLUMNS = [
     "x best fixed", "plain tok/s [range]", "x plain", ">= best fixed", ">= plain",
 ]  # fmt: skip
 SCHEDULE_NOTES = [
-    "tune's schedule served (the tuned arm: the whole block drafted every step, the schedule's k "
-    "verified at each batch size) against the best fixed-k arm of the same draft measured in "
+    "tune's schedule served (the tuned arm: the schedule's k verified at each batch size; DFlash "
+    "drafts its whole block every step, DSpark the k) against the best fixed-k arm of the same draft measured in "
     "this run (vLLM alone's or the plugin's, the highest median tok/s at that concurrency) and "
     "plain decoding. x: paired repeats where they pair, else (~) the ratio of medians. A verdict "
     "is 'yes' when the tuned arm's best repeat reaches the other's worst (within the measured "

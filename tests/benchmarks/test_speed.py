@@ -159,7 +159,8 @@ def test_spec_arg_reaches_the_draft_arms_only():
 def test_a_scheduled_arm_is_checked_and_floored_at_the_k_of_each_concurrency(configs):
     """tune's schedule served by a draft arm (``--spec-arg num_speculative_tokens_per_batch_size``):
     at each concurrency the expected decode shape and the target's floors take the schedule's k;
-    the draft's floor its whole block (vLLM drafts the block whatever k it verifies)."""
+    the draft's floor too with the plugin's DSpark (it drafts the step's k), its whole block with
+    vLLM alone (it drafts the block whatever k it verifies)."""
     from benchmarks.harness.arms import k_at
 
     ranges = [[1, 1, 7], [2, 15, 5], [16, 64, 3]]
@@ -171,11 +172,12 @@ def test_a_scheduled_arm_is_checked_and_floored_at_the_k_of_each_concurrency(con
     scheduled["fingerprint"]["spec"]["speculative"] = sc
     fixed = entry([100] * 3, [10.0] * 3, num_spec=3, conc=16)
     block = entry([100] * 3, [10.0] * 3, num_spec=7, conc=16)
-    got = speed.floors_for("dspark7-plugin", scheduled, 16, *configs, True, a)
     at_k3 = speed.floors_for("dspark3-plugin", fixed, 16, *configs, True, a)
     at_k7 = speed.floors_for("dspark7-plugin", block, 16, *configs, True, a)
-    assert got["target"] == at_k3["target"] and got["sampling"] == at_k3["sampling"]
-    assert got["draft"] == at_k7["draft"] != at_k3["draft"]  # markov_w2 read 7 times, not 3
+    assert speed.floors_for("dspark7-plugin", scheduled, 16, *configs, True, a) == at_k3
+    alone = speed.floors_for("dspark7-alone", scheduled, 16, *configs, True, a)
+    assert alone["target"] == at_k3["target"] and alone["sampling"] == at_k3["sampling"]
+    assert alone["draft"] == at_k7["draft"] != at_k3["draft"]  # markov_w2 read 7 times, not 3
 
 
 def _schedule_file(tmp_path, **over):

@@ -1,9 +1,10 @@
 """``tune``: measure a draft's acceptance and the engine's decode step time per (batch size, k) on
 this machine, and choose the per-batch-size speculation schedule that maximises output tokens/s.
 
-The engine is configured as a schedule serves it: vLLM (V2) and the plugin's V1 proposers draft
-the whole block of ``num_speculative_tokens`` every step and verify the first k (k = 0: no query
-pass, the draft only stores the new tokens' context). One engine measures every k: it starts
+The engine is configured as a schedule serves it: a step drafts k and verifies them (DSpark,
+whose block attention is causal: ``patches/v2_dspark_draft_k.py`` on vLLM's V2 runner, the
+plugin's proposer on V1), or drafts the whole block of ``num_speculative_tokens`` and verifies the
+first k (DFlash); k = 0: no query pass, the draft only stores the new tokens' context. One engine measures every k: it starts
 with ``num_speculative_tokens`` = the largest k measured (the block) and a schedule naming every
 measured k (so the runner captures a CUDA graph for each), and each measurement sets the k of
 the running engine for every batch size (``patches/engine_core_spec_tokens.py``), exactly what
@@ -85,7 +86,7 @@ class TunePlan:
         return max(asked, max(self.batch_sizes), len(self.ks))
 
     def speculative_config(self) -> dict:
-        """The measuring engine: the whole block drafted, and a schedule naming every measured
+        """The measuring engine: the block as ``num_speculative_tokens``, and a schedule naming every measured
         k, the block over the largest batch sizes (the runner captures a CUDA graph for each k
         of the schedule; each measurement then sets one k for every batch size)."""
         rest = sorted(k for k in self.ks if k != self.block)
