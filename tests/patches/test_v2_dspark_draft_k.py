@@ -64,6 +64,8 @@ class _Speculator:
             from_anchor,
             dp,
         )
+        # the plugin's Nemotron 3.5 draft model carries the validated draft config
+        self.model = types.SimpleNamespace(draft_spec=types.SimpleNamespace(causal=not non_causal))
         self.device, self.max_num_reqs = torch.device("cpu"), 4
         self.num_speculative_steps = block
         self.num_query_per_req = block if from_anchor else 1 + block
@@ -105,6 +107,9 @@ def test_layouts_are_the_schedules_k_between_0_and_the_block():
     assert patch.layout_ks(_Speculator(ranges=None)) == []
     assert patch.layout_ks(_Speculator(non_causal=True)) == []  # DFlash: drafts would differ
     assert patch.layout_ks(_Speculator(dp=2)) == []  # vLLM serves the block under DP
+    other = _Speculator()
+    other.model = types.SimpleNamespace()  # a DSpark draft that is not Nemotron 3.5's
+    assert patch.layout_ks(other) == []
     confident = _Speculator()
     confident.use_confidence_head = True
     assert patch.layout_ks(confident) == []

@@ -14,10 +14,11 @@ How:     for each k of the schedule between 0 and the block, the speculator gets
          in place. ``propose`` swaps in the layout of the k the runner passes (the k it verifies
          next) and restores the block's after. Everything else (buffers sized for the block, the
          context store, the fused Markov walk) reads these attributes, so a k step runs the
-         block's code on k positions. Only causal drafts: DSpark's block attention is causal,
-         so its first k drafts are the block's (acceptance unchanged, tokens exact); DFlash
-         attends across its block and keeps vLLM's whole-block drafting. Not under data
-         parallelism (vLLM serves ``num_speculative_tokens`` there).
+         block's code on k positions. Only Nemotron 3.5 DSpark drafts (the plugin's draft model;
+         every other draft keeps vLLM's path): their block attention is causal, so the first
+         k drafts are the block's (acceptance unchanged, tokens exact); DFlash attends across
+         its block and keeps vLLM's whole-block drafting. Not under data parallelism (vLLM
+         serves ``num_speculative_tokens`` there).
 Upstream: not reported yet (docs/upstream.md, entry 23).
 Removal: when vLLM's speculator drafts the step's k itself.
          ``tests/patches/test_v2_dspark_draft_k.py`` pins the methods (tripwire) and checks the
@@ -82,11 +83,15 @@ SWAPPED = (
 
 def layout_ks(speculator: Any) -> list[int]:
     """The k of the schedule that get their own layout: strictly between 0 (no query pass) and
-    the block; none for a non-causal draft, a draft with a confidence head, without a schedule,
-    or under data parallelism."""
+    the block; only for a Nemotron 3.5 DSpark draft (the plugin's draft model, its validated
+    config causal), none with a confidence head, without a schedule or under data
+    parallelism: every other draft keeps vLLM's path."""
+    draft = getattr(getattr(speculator, "model", None), "draft_spec", None)
+    if draft is None or not draft.causal or speculator.requires_non_causal:
+        return []
     spec = speculator.vllm_config.speculative_config
     ranges = getattr(spec, "num_speculative_tokens_per_batch_size", None) or ()
-    if not ranges or speculator.requires_non_causal or getattr(speculator, "dp_size", 1) > 1:
+    if not ranges or getattr(speculator, "dp_size", 1) > 1:
         return []
     if getattr(speculator, "use_confidence_head", False):
         return []  # its confidences are stored [requests, block] in one assignment
