@@ -93,12 +93,14 @@ def scheduled(request, tiny_family, trained, prompts, tmp_path_factory):
 def _draft_layouts_in_worker(worker) -> dict:
     """Per k layout of the speculator: its query tokens a request and the token counts of its
     captured graphs (runs inside the worker)."""
-    from vllm_nemotron_spec.patches.v2_dspark_draft_k import LAYOUTS
+    from vllm_nemotron_spec.patches.v2_dspark_draft_k import LAYOUTS, manager_attr
 
     speculator = worker.model_runner.speculator
+    layouts = getattr(speculator, LAYOUTS, {})
+    managers = {k: getattr(speculator, manager_attr(k)) for k in layouts}
     return {
-        k: (layout["num_query_per_req"], layout["query_cudagraph_manager"].captured_token_counts())
-        for k, layout in getattr(speculator, LAYOUTS, {}).items()
+        k: (layout["num_query_per_req"], managers[k].captured_token_counts())
+        for k, layout in layouts.items()
     }
 
 
