@@ -117,6 +117,11 @@ def setup_facts(command: list[str] | None = None) -> dict:
 
 
 def git_commit() -> str | None:
+    """The commit a report records: ``$BENCH_COMMIT`` when set (the GPU machine's copy of the
+    tree does not carry this checkout's git metadata), else the checkout's HEAD, ``+dirty`` with
+    uncommitted changes to tracked files."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
