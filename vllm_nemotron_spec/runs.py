@@ -100,20 +100,22 @@ class RunResult:
         return self.num_output_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+SMALL_MODEL_DEFAULTS = dict(
+    dtype="float32",
+    enforce_eager=True,
+    max_model_len=512,
+    max_num_seqs=16,
+    seed=0,
+    disable_log_stats=False,
+)
+"""The engine settings :func:`make_llm` starts from: they suit the tiny family on CPU."""
+
+
 def make_llm(model: str, speculative_config: dict | None = None, **engine_kwargs):
     """An offline ``vllm.LLM`` with settings that suit the tiny family on CPU (overridable)."""
     from vllm import LLM
 
-    kwargs = dict(
-        model=model,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=512,
-        max_num_seqs=16,
-        seed=0,
-        disable_log_stats=False,
-        speculative_config=speculative_config,
-    )
+    kwargs = dict(model=model, **SMALL_MODEL_DEFAULTS, speculative_config=speculative_config)
     kwargs.update(engine_kwargs)
     return LLM(**kwargs)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shlex
 import time
 import types
 
@@ -229,10 +230,13 @@ def test_text_report_and_serving_commands(monkeypatch):
 
     monkeypatch.setattr("vllm_nemotron_spec.commands.serve_program", lambda: "vllm serve")
     text = tr.format_tune_report(_report(), "/out/schedule.json")
-    assert "vllm serve /t --speculative-config '" in text
+    # the measuring engine's settings (runs.make_llm's small-model defaults here) come first
+    settings = "--dtype float32 --enforce-eager --max-model-len 512"
+    assert f"vllm serve /t {settings} --speculative-config '" in text
     config = json.loads(text.split("--speculative-config '")[1].split("'")[0])
     assert config["num_speculative_tokens_per_batch_size"] == RANGES
-    assert "json.load(open('/out/schedule.json'))" in text
+    kwargs = "dtype='float32', enforce_eager=True, max_model_len=512"
+    assert f"{kwargs}, speculative_config=json.load(open('/out/schedule.json'))" in text
     assert "batch sizes above 8 keep k=0" in text
     # k=1 at 2..7 is verified from a block of 2: the same k alone drafts less (k=0 is plain's)
     assert "every step drafts the block of 2; at batch sizes 2-7 (k=1) only k are verified" in text
@@ -241,6 +245,54 @@ def test_text_report_and_serving_commands(monkeypatch):
     plain = tr.format_tune_report(_report(_plan(temperature=0.8), _measurements(
         SpecCounters(100, 200, 10, [10, 0]))))  # fmt: skip
     assert "no k above 0 pays at any measured batch size: serve plain decoding" in plain
+
+
+GPU_ENGINE = dict(  # what tune's engine ran with for a real model on a GPU (cli/tune.py)
+    dtype="auto", enforce_eager=False, max_model_len=None, max_num_seqs=64,
+    gpu_memory_utilization=0.9, kv_cache_dtype="fp8", moe_backend="marlin",
+    enable_prefix_caching=False, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},
+)  # fmt: skip
+SERVED = {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+          "enable_prefix_caching": False, "kv_cache_dtype": "fp8", "moe_backend": "marlin"}  # fmt: skip
+
+
+def test_the_report_keeps_the_engine_settings_serving_must_repeat():
+    """vLLM's defaults and the measuring-only settings (max_num_seqs, memory share, seed) are
+    dropped; every other setting tune's engine ran with is kept."""
+    assert tune.serving_engine_args(GPU_ENGINE) == SERVED
+    assert _report(_plan(engine_kwargs=GPU_ENGINE))["engine_args"] == SERVED
+    # the small-model defaults runs.make_llm starts from count as settings too
+    assert tune.serving_engine_args({}) == {
+        "dtype": "float32", "enforce_eager": True, "max_model_len": 512}  # fmt: skip
+
+
+def test_the_printed_commands_carry_the_engine_settings(monkeypatch, tmp_path):
+    """The printed ``vllm serve`` command parses, with vLLM's own argument parser, into the
+    settings tune measured with and the schedule; the printed ``LLM`` line passes them too."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_nemotron_spec.bench import tune_report as tr
+
+    monkeypatch.setattr("vllm_nemotron_spec.commands.serve_program", lambda: "vllm serve")
+    report = _report(_plan(engine_kwargs=GPU_ENGINE))
+    argv = shlex.split(tr.serve_command(report))
+    assert argv[:3] == ["vllm", "serve", "/t"]
+    parser = FlexibleArgumentParser()
+    AsyncEngineArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model", *argv[2:]])
+    assert (args.kv_cache_dtype, args.moe_backend, args.enable_prefix_caching) == (
+        "fp8", "marlin", False)  # fmt: skip
+    assert args.compilation_config.cudagraph_mode.name == "FULL_AND_PIECEWISE"
+    assert args.speculative_config == report["speculative_config"]
+
+    schedule = tmp_path / "schedule.json"
+    schedule.write_text(json.dumps(report["speculative_config"]))
+    seen = {}
+    example = tr.llm_example(report, str(schedule)).replace("from vllm import LLM\n", "")
+    exec(example, {"json": json, "LLM": lambda **kw: seen.update(kw)})  # noqa: S102
+    assert seen == {"model": "/t", **SERVED, "speculative_config": report["speculative_config"]}
 
 
 # Plain decoding of the worked example: 8, 9, 10, 10 ms at batch 1, 2, 4, 8 -> 125, 222.2, 400,
@@ -252,7 +304,7 @@ def test_report_sets_the_schedule_beside_plain_decoding(monkeypatch):
     from vllm_nemotron_spec.bench import tune_report as tr
 
     report = _report(measurements=_measurements(plain_ms=PLAIN_MS))
-    assert report["schema"] == "vllm-nemotron-spec.tune/4"
+    assert report["schema"] == "vllm-nemotron-spec.tune/5"
     assert report["plain"][1] == {"batch": 2, "step_ms": 9.0, "step_ms_quartiles": [9.0, 9.0],
                                   "steps": 3, "measured_tokens_per_step": 1.0,
                                   "tokens_per_s": pytest.approx(222.222, abs=1e-3)}  # fmt: skip

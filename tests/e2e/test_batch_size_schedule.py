@@ -261,7 +261,7 @@ TUNE_BATCHES = (1, 2)
 def test_tune_measures_every_batch_size_and_k(tuned):
     report = tuned.report
     assert tuned.code == 0, tuned.stderr[-2000:]
-    assert report["schema"] == "vllm-nemotron-spec.tune/4"
+    assert report["schema"] == "vllm-nemotron-spec.tune/5"
     assert report["drafts_only_k"] == [1]  # DSpark drafts k; k=2 is the block
     assert report["ks"] == list(TUNE_KS) and report["batch_sizes"] == list(TUNE_BATCHES)
     cells = {(m["batch"], m["k"]): m for m in report["measurements"]}
@@ -320,10 +320,14 @@ def test_tune_reports_progress_with_an_eta(tuned):
 
 
 def test_the_tuned_schedule_serves_plain_decodings_tokens(tuned, tiny_family, prompts, plain):
-    """The file tune wrote, served as is: tokens equal plain decoding's while the batch shrinks
-    from 4 to 1 (the schedule's last range carries to the larger batches)."""
+    """The file tune wrote, served as is with the engine settings its report prints: tokens
+    equal plain decoding's while the batch shrinks from 4 to 1 (the schedule's last range
+    carries to the larger batches)."""
     config = json.loads(tuned.schedule.read_text())
-    llm = runs.make_llm(str(tiny_family.target), config, enable_prefix_caching=False)
+    # the CPU engine tune measured: runs.make_llm's small-model settings, prefix caching off
+    settings = dict(dtype="float32", enforce_eager=True, max_model_len=512)
+    assert tuned.report["engine_args"] == dict(settings, enable_prefix_caching=False)
+    llm = runs.make_llm(str(tiny_family.target), config, **tuned.report["engine_args"])
     try:
         tokens, counters = _generate(llm, prompts)
     finally:

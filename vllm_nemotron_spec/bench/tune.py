@@ -43,7 +43,7 @@ from vllm_nemotron_spec.bench.schedule import (
 )
 from vllm_nemotron_spec.runs import SpecCounters
 
-SCHEMA = "vllm-nemotron-spec.tune/4"
+SCHEMA = "vllm-nemotron-spec.tune/5"
 
 SCATTER_LIMIT = 0.25
 """A (batch, k) point whose step-time quartiles lie further apart than this share of the median
@@ -583,6 +583,26 @@ def _measure_acceptance_runs(llm, prompt_ids, plan: TunePlan, label, meter, out)
 # The report (pure: measurements in, schedule and config out).
 
 
+MEASURING_ONLY = frozenset({"seed", "disable_log_stats", "max_num_seqs", "gpu_memory_utilization"})
+"""Engine settings of the measuring engine that serving does not repeat (``--max-num-seqs``
+only needs to be at least ``--max-batch``)."""
+VLLM_DEFAULTS = {"dtype": "auto", "enforce_eager": False}
+
+
+def serving_engine_args(engine_kwargs: dict) -> dict:
+    """The measuring engine's settings that differ from vLLM's defaults and shape a step (dtype,
+    CUDA graphs, context length, caches, kernels): what a server must repeat to serve what tune
+    measured."""
+    from vllm_nemotron_spec.runs import SMALL_MODEL_DEFAULTS
+
+    settings = {**SMALL_MODEL_DEFAULTS, **engine_kwargs}
+    return {
+        key: value
+        for key, value in sorted(settings.items())
+        if value is not None and key not in MEASURING_ONLY and VLLM_DEFAULTS.get(key) != value
+    }
+
+
 def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm_version) -> dict:
     """The JSON-able result: acceptance, step times, expected tokens/s, the chosen schedule and
     the speculative config that serves it."""
@@ -642,6 +662,7 @@ def tune_report(plan: TunePlan, m: Measurements, *, prompts, platform: str, vllm
         "plain_faster_at": plain_faster if plain else None,
         "schedule": ranges,
         "speculative_config": config,
+        "engine_args": serving_engine_args(plan.engine_kwargs),
         "scattered": [
             [t.batch, t.k] for t in sorted(m.timings, key=lambda t: (t.batch, t.k)) if t.scattered
         ],

@@ -7,30 +7,47 @@ import shlex
 from pathlib import Path
 
 
+def engine_flags(engine_args: dict) -> list[str]:
+    """``vllm serve`` flags for engine settings: ``--key value``, ``--key`` / ``--no-key`` for
+    booleans, JSON for dicts and lists."""
+    flags = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
 def serve_command(report: dict) -> str | None:
-    """``vllm serve TARGET --speculative-config '...'`` for the chosen schedule (None: no k above
-    0 paid at any batch size)."""
+    """``vllm serve TARGET [the engine settings tune measured with] --speculative-config '...'``
+    for the chosen schedule (None: no k above 0 paid at any batch size)."""
     from vllm_nemotron_spec.commands import serve_program
 
     config = report["speculative_config"]
     if config is None:
         return None
-    return (
-        f"{serve_program()} {shlex.quote(report['target'])} "
-        f"--speculative-config {shlex.quote(json.dumps(config))}"
-    )
+    flags = engine_flags(report.get("engine_args") or {})
+    return " ".join(
+        [serve_program(), shlex.quote(report["target"]), *map(shlex.quote, flags),
+         "--speculative-config", shlex.quote(json.dumps(config))]
+    )  # fmt: skip
 
 
 def llm_example(report: dict, schedule_file: str | None = None) -> str | None:
     """The same configuration for ``vllm.LLM`` (read from the schedule file when one was
-    written)."""
+    written), with the engine settings tune measured with."""
     config = report["speculative_config"]
     if config is None:
         return None
     source = f"json.load(open({str(schedule_file)!r}))" if schedule_file else json.dumps(config)
+    settings = "".join(f", {k}={v!r}" for k, v in (report.get("engine_args") or {}).items())
     return (
         "import json\nfrom vllm import LLM\n"
-        f"llm = LLM(model={report['target']!r}, speculative_config={source})"
+        f"llm = LLM(model={report['target']!r}{settings}, speculative_config={source})"
     )
 
 
