@@ -1,14 +1,15 @@
 """``tune``: measure a draft's acceptance and the engine's decode step time per (batch size, k) on
 this machine, and choose the per-batch-size speculation schedule that maximises output tokens/s.
 
-The engine is configured as a schedule serves it: a step drafts k and verifies them (DSpark,
-whose block attention is causal: ``patches/v2_dspark_draft_k.py`` on vLLM's V2 runner, the
-plugin's proposer on V1), or drafts the whole block of ``num_speculative_tokens`` and verifies the
-first k (DFlash); k = 0: no query pass, the draft only stores the new tokens' context. One engine measures every k: it starts
-with ``num_speculative_tokens`` = the largest k measured (the block) and a schedule naming every
-measured k (so the runner captures a CUDA graph for each), and each measurement sets the k of
-the running engine for every batch size (``patches/engine_core_spec_tokens.py``), exactly what
-an engine serving the one-range schedule ``[[1, max_batch, k]]`` runs. Acceptance (vLLM's
+The engine is configured as a schedule serves it: a step drafts k and verifies them (DSpark, whose
+block attention is causal: ``patches/v2_dspark_draft_k.py`` on vLLM's V2 runner, the plugin's
+proposer on V1), or drafts the whole block of ``num_speculative_tokens`` and verifies the first k
+(DFlash); k = 0: no query pass, the draft only stores the new tokens' context. One engine measures
+every k: it starts with ``num_speculative_tokens`` = the largest k measured (the block) and a
+schedule naming every measured k (so the runner captures a CUDA graph for each), and each
+measurement sets the k of the running engine for every batch size
+(``patches/engine_core_spec_tokens.py``), exactly what an engine serving the one-range schedule
+``[[1, max_batch, k]]`` runs. Acceptance (vLLM's
 per-position accepted counters) is measured once, at the largest k, on the user's prompts: the
 first k drafts of a step do not depend on k, so one measurement gives ``E[accepted | k]`` for
 every k (``bench.schedule``). A second engine without speculation then times plain decoding at
@@ -86,8 +87,8 @@ class TunePlan:
         return max(asked, max(self.batch_sizes), len(self.ks))
 
     def speculative_config(self) -> dict:
-        """The measuring engine: the block as ``num_speculative_tokens``, and a schedule naming every measured
-        k, the block over the largest batch sizes (the runner captures a CUDA graph for each k
+        """The measuring engine: the block as ``num_speculative_tokens``, and a schedule naming
+        every measured k, the block over the largest batch sizes (the runner captures a CUDA graph for each k
         of the schedule; each measurement then sets one k for every batch size)."""
         rest = sorted(k for k in self.ks if k != self.block)
         ranges = [[i + 1, i + 1, k] for i, k in enumerate(rest)]

@@ -15,11 +15,10 @@ inclusive ranges, and prints the --speculative-config that serves the schedule
       --max-batch 64 --out schedule.json --plot tune.png
   vllm serve TARGET --speculative-config "$(cat schedule.json)"
 
-One engine measures every k, each as a schedule serves it: k tokens drafted and verified
-(DFlash: its whole block drafted, k verified; the k is set on the running engine between
-measurements). A second
-engine without speculation times plain decoding at every batch size (--no-plain skips it): the
-report says where it serves more than the schedule, and no config is written when it does at
+One engine measures every k, each as a schedule serves it: k tokens drafted and verified (DFlash:
+its whole block drafted, k verified; the k is set on the running engine between measurements). A
+second engine without speculation times plain decoding at every batch size (--no-plain skips it):
+the report says where it serves more than the schedule, and no config is written when it does at
 every batch size.
 Prompt files: JSONL with "prompt" / "text" / "question" (GSM8K) / "turns" (MT-Bench, first turn).
 Exit status 0 on success, 1 when an engine or a measurement failed, 2 for a bad option, prompt

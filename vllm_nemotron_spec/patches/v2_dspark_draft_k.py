@@ -78,7 +78,8 @@ SWAPPED = (
     "_step_cols",
     "_anchor_idx",
 )
-"""What a layout sets: every attribute the draft step reads its block size from."""
+"""What :func:`layout_of` swaps: every attribute the draft step reads its block size from (a
+layout holds all but the graph manager, which is read from :func:`manager_attr`)."""
 
 
 def layout_ks(speculator: Any) -> list[int]:
@@ -121,7 +122,6 @@ def bare_layout(speculator: Any, k: int) -> dict:
     return {
         "num_speculative_steps": k,
         "num_query_per_req": per_req,
-        "query_cudagraph_manager": manager_attr(k),
         "sample_col": steps.repeat(speculator.max_num_reqs),
         "_step_cols": steps.clone(),
         # each request's anchor: the first query row of its block of per_req
@@ -135,9 +135,10 @@ def layout_of(speculator: Any, layout: dict):
     """``layout`` in place for the duration; the previous one restored after, also on error."""
     before = block_layout(speculator)
     for name, value in layout.items():
-        if name == "query_cudagraph_manager":
-            value = getattr(speculator, value, None)
         setattr(speculator, name, value)
+    # None while init_cudagraph_manager builds it
+    manager = getattr(speculator, manager_attr(layout["num_speculative_steps"]), None)
+    speculator.query_cudagraph_manager = manager
     try:
         yield
     finally:
