@@ -213,3 +213,48 @@ def test_gpu_tests_skip_cleanly_without_cuda_and_import_no_vllm():
     assert "VLLM_IMPORTED False" in text, text[-3000:]
     assert "needs a CUDA GPU (torch.cuda.is_available() is False)" in text, text[-3000:]
     assert " skipped" in text and " passed" not in text and " failed" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("writes_report", [False, True])
+def test_gpu_tests_script_stopped_at_its_deadline_says_incomplete(tmp_path, writes_report):
+    """scripts/gpu-tests.sh whose pytest is stopped by the deadline: INCOMPLETE (with or without
+    a JUnit report written on the interrupt), never PASS, and the exit status is not 0."""
+    report = tmp_path / "report.xml"
+    report.write_text(JUNIT.format(e=0, f=0, s=0, t=1))
+    on_interrupt = f'cp {report} "$xml"; ' if writes_report else ""
+    fake_python = tmp_path / "python"
+    fake_python.write_text(
+        textwrap.dedent(
+            f"""\
+            #!/usr/bin/env bash
+            [ "$2" = pip ] && exit 0
+            for a in "$@"; do case "$a" in --junitxml=*) xml="${{a#--junitxml=}}";; esac; done
+            if [ "$2" = pytest ]; then
+              sleep 30 > /dev/null &
+              trap 'kill $!; {on_interrupt}exit 2' INT
+              wait
+              exit 0
+            fi
+            exec {sys.executable} "$@"
+            """
+        )
+    )
+    fake_python.chmod(0o755)
+    out = subprocess.run(
+        ["bash", "scripts/gpu-tests.sh", str(tmp_path / "out"), "tests/gpu/test_gpu_attention.py"],
+        cwd=REPO,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHON": str(fake_python),
+            "GPU_TESTS_TIMEOUT": "1",
+            "GPU_TESTS_COMMIT": "abc1234",
+            "HOME": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    summary = (tmp_path / "out" / "gpu-tests-summary.txt").read_text()
+    assert summary.startswith("GPU TESTS INCOMPLETE (stopped at the deadline"), summary
+    assert "commit abc1234" in summary
+    assert out.returncode != 0
