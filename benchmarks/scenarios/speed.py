@@ -485,10 +485,10 @@ SCHEDULE_COLUMNS = [
 SCHEDULE_NOTES = [
     "tune's schedule served (the tuned arm: the schedule's k verified at each batch size; DFlash "
     "drafts its whole block every step, DSpark the k) against the best fixed-k arm of the same "
-    "draft measured in this run (vLLM alone's or the plugin's, the highest median tok/s at that concurrency) and "
-    "plain decoding. x: paired repeats where they pair, else (~) the ratio of medians. A verdict "
-    "is 'yes' when the tuned arm's best repeat reaches the other's worst (within the measured "
-    "spread), 'no' otherwise.",
+    "draft measured in this run (vLLM alone's or the plugin's, the highest median tok/s at that "
+    "concurrency) and plain decoding. x: paired repeats where they pair, else (~) the ratio of "
+    "medians. A verdict is 'yes' when the tuned arm's best repeat reaches the other's worst "
+    "(within the measured spread), 'no' otherwise.",
 ]
 
 

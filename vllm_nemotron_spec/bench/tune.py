@@ -9,12 +9,12 @@ every k: it starts with ``num_speculative_tokens`` = the largest k measured (the
 schedule naming every measured k (so the runner captures a CUDA graph for each), and each
 measurement sets the k of the running engine for every batch size
 (``patches/engine_core_spec_tokens.py``), exactly what an engine serving the one-range schedule
-``[[1, max_batch, k]]`` runs. Acceptance (vLLM's
-per-position accepted counters) is measured once, at the largest k, on the user's prompts: the
-first k drafts of a step do not depend on k, so one measurement gives ``E[accepted | k]`` for
-every k (``bench.schedule``). A second engine without speculation then times plain decoding at
-every batch size (k=0 in the measuring engine is not plain decoding: the draft still stores each
-step's context), so the report says where plain decoding serves more than the schedule.
+``[[1, max_batch, k]]`` runs. Acceptance (vLLM's per-position accepted counters) is measured once,
+at the largest k, on the user's prompts: the first k drafts of a step do not depend on k, so one
+measurement gives ``E[accepted | k]`` for every k (``bench.schedule``). A second engine without
+speculation then times plain decoding at every batch size (k=0 in the measuring engine is not plain
+decoding: the draft still stores each step's context), so the report says where plain decoding
+serves more than the schedule.
 
 A step time is the median of the gaps between vLLM's engine-core timestamps of consecutive
 decode steps in which exactly B requests were in flight: B requests with equal, long
@@ -88,8 +88,8 @@ class TunePlan:
 
     def speculative_config(self) -> dict:
         """The measuring engine: the block as ``num_speculative_tokens``, and a schedule naming
-        every measured k, the block over the largest batch sizes (the runner captures a CUDA graph for each k
-        of the schedule; each measurement then sets one k for every batch size)."""
+        every measured k, the block over the largest batch sizes (the runner captures a CUDA graph
+        for each k of the schedule; each measurement then sets one k for every batch size)."""
         rest = sorted(k for k in self.ks if k != self.block)
         ranges = [[i + 1, i + 1, k] for i, k in enumerate(rest)]
         ranges.append([len(rest) + 1, self.max_num_seqs, self.block])
