@@ -65,6 +65,10 @@ COUNTERS = {
 HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": "server_ttft_ms",
     "vllm:request_time_per_output_token_seconds": "server_tpot_ms",
+    # where a request's time went: waiting to be scheduled, prefill to its first token, decode
+    "vllm:request_queue_time_seconds": "server_queue_ms",
+    "vllm:request_prefill_time_seconds": "server_prefill_ms",
+    "vllm:request_decode_time_seconds": "server_decode_ms",
 }
 CACHE_INFO = ("block_size", "cache_dtype", "enable_prefix_caching", "mamba_cache_mode",
               "num_gpu_blocks", "mamba_block_size")  # fmt: skip
@@ -293,7 +297,8 @@ def measure(servers: list[Resident], work: Sessions, vocab: int, conc: int, repe
 def summary(reps: list[dict]) -> dict:
     """The repeats of one concurrency: every value by repeat (``*_all``) and their medians."""
     keys = ("output_tok_s", "ttft_ms", "tpot_ms", "server_ttft_ms", "server_tpot_ms",
-            "prefix_hit_rate", "mean_acceptance_length", "mean_prompt_tokens")  # fmt: skip
+            "server_queue_ms", "server_prefill_ms", "server_decode_ms", "prefix_hit_rate",
+            "mean_acceptance_length", "mean_prompt_tokens")  # fmt: skip
     out = {"concurrency": reps[0]["concurrency"] if reps else None, "repeats": len(reps)}
     for key in keys:
         out[f"{key}_all"] = [r.get(key) for r in reps]

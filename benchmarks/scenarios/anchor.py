@@ -80,7 +80,8 @@ def run(args) -> int:
 
 COLUMNS = ["server", "conc", "output tok/s per GPU [range]", "NVIDIA (conc, acceptance)",
            "x NVIDIA", "x alone", "acceptance", "prefix hit rate", "mean prompt tokens",
-           "TTFT ms", "TPOT ms", "preemptions", "startup s", "status"]  # fmt: skip
+           "s a turn", "TTFT ms", "TPOT ms", "server queue / prefill / decode ms", "preemptions",
+           "startup s", "status"]  # fmt: skip
 
 
 def tables(result: dict, args, work: served.Sessions) -> list:
@@ -93,8 +94,8 @@ def tables(result: dict, args, work: served.Sessions) -> list:
         nvidia = f"{published[0]} ({published[1]}, {published[2]})" if published else ""
         rows = entry.get("concurrency") or []
         if not rows:
-            t.add(name, "", "", nvidia, "", "", "", "", "", "", "", "", entry.get("startup_s"),
-                  str(entry.get("status", ""))[:200])  # fmt: skip
+            t.add(name, "", "", nvidia, "", "", "", "", "", "", "", "", "", "",
+                  entry.get("startup_s"), str(entry.get("status", ""))[:200])  # fmt: skip
         for c in rows:
             alone = serving.conc_row(serving.twin(servers, name, arms.alone_twin(row)),
                                      c["concurrency"])  # fmt: skip
@@ -107,10 +108,26 @@ def tables(result: dict, args, work: served.Sessions) -> list:
                 report.fmt(c.get("mean_acceptance_length"), "{:.2f}", "-"),
                 report.fmt(c.get("prefix_hit_rate"), "{:.3f}", "-"),
                 report.fmt(c.get("mean_prompt_tokens"), "{:.0f}"),
-                report.fmt(c.get("ttft_ms"), "{:.0f}"), report.fmt(c.get("tpot_ms")),
-                c.get("preemptions"), entry.get("startup_s"), str(entry.get("status"))[:120],
+                report.fmt(turn_s(c, work)), report.fmt(c.get("ttft_ms"), "{:.0f}"),
+                report.fmt(c.get("tpot_ms")), request_split(c), c.get("preemptions"),
+                entry.get("startup_s"), str(entry.get("status"))[:120],
             )  # fmt: skip
     return [t]
+
+
+def turn_s(c: dict, work: served.Sessions) -> float | None:
+    """Median seconds the timed turns of one repeat took, a turn (all sessions' at once)."""
+    walls = [r.get("wall_s") for r in c.get("repeats_detail") or [] if r.get("wall_s")]
+    return report.median(walls) / work.turns if walls else None
+
+
+def request_split(c: dict) -> str:
+    """The server's mean per request: waiting to be scheduled / prefill to the first token /
+    decode (vLLM's request_{queue,prefill,decode}_time histograms)."""
+    keys = ("server_queue_ms", "server_prefill_ms", "server_decode_ms")
+    if all(c.get(k) is None for k in keys):
+        return ""
+    return " / ".join(report.fmt(c.get(k), "{:.0f}", "-") for k in keys)
 
 
 NOTE = (
@@ -118,5 +135,8 @@ NOTE = (
     "time (the untimed first send of each session's cached context excluded, the new tokens' "
     "prefill included). NVIDIA: its published H200 figure for the draft, at its concurrency and "
     "acceptance length; x NVIDIA: this server's median over that figure. x alone: over vLLM "
-    "alone's server with the same draft, repeat k against repeat k (same prompts and seeds)."
+    "alone's server with the same draft, repeat k against repeat k (same prompts and seeds). "
+    "s a turn: the median repeat's timed wall over its turns. Server queue / prefill / decode: "
+    "vLLM's mean per request of the time waiting to be scheduled, from scheduled to the first "
+    "token, and from the first token to the last."
 )

@@ -112,6 +112,9 @@ def test_served_scenarios_on_cpu(tmp_path):
     entry = json.loads((out / "anchor.json").read_text())["servers"]["dflash5-plugin"]
     (c,) = entry["concurrency"]
     assert c["mean_prompt_tokens"] == pytest.approx(200 + (20 + 8) / 2)  # turn 2 adds a turn
+    # vLLM's per-request split, read from the server's /metrics under these names
+    assert c["server_prefill_ms"] > 0 and c["server_decode_ms"] > 0
+    assert c["server_queue_ms"] is not None
     assert "1744 (16, 3.18)" in (out / "anchor.md").read_text()
 
 

@@ -20,6 +20,10 @@ vllm:generation_tokens_total{{engine="0"}} {gen}
 vllm:time_to_first_token_seconds_sum{{engine="0"}} {ttft_sum}
 vllm:time_to_first_token_seconds_count{{engine="0"}} {ttft_count}
 vllm:time_to_first_token_seconds_created{{engine="0"}} 12345
+vllm:request_prefill_time_seconds_sum{{engine="0"}} {prefill_sum}
+vllm:request_prefill_time_seconds_count{{engine="0"}} {ttft_count}
+vllm:request_decode_time_seconds_sum{{engine="0"}} {decode_sum}
+vllm:request_decode_time_seconds_count{{engine="0"}} {ttft_count}
 vllm:cache_config_info{{block_size="4336",cache_dtype="fp8",engine="0",mamba_cache_mode="align"}} 1
 vllm:spec_decode_num_drafts_total{{engine="0"}} {drafts}
 vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {draft_tokens}
@@ -28,19 +32,22 @@ vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {accepted}
 
 
 def metrics(**values):
-    base = dict(queries=0, hits=0, gen=0, ttft_sum=0.0, ttft_count=0, drafts=0, draft_tokens=0,
-                accepted=0)  # fmt: skip
+    base = dict(queries=0, hits=0, gen=0, ttft_sum=0.0, ttft_count=0, prefill_sum=0.0,
+                decode_sum=0.0, drafts=0, draft_tokens=0, accepted=0)  # fmt: skip
     return served.parse_snapshot(METRICS.format(**{**base, **values}))
 
 
 def test_snapshot_deltas():
-    before = metrics(queries=100, hits=40, gen=10, ttft_sum=1.0, ttft_count=2, drafts=5,
-                     draft_tokens=15, accepted=5)  # fmt: skip
-    after = metrics(queries=300, hits=190, gen=70, ttft_sum=1.5, ttft_count=4, drafts=25,
-                    draft_tokens=75, accepted=45)  # fmt: skip
+    before = metrics(queries=100, hits=40, gen=10, ttft_sum=1.0, ttft_count=2, prefill_sum=0.5,
+                     decode_sum=3.0, drafts=5, draft_tokens=15, accepted=5)  # fmt: skip
+    after = metrics(queries=300, hits=190, gen=70, ttft_sum=1.5, ttft_count=4, prefill_sum=0.9,
+                    decode_sum=4.0, drafts=25, draft_tokens=75, accepted=45)  # fmt: skip
     d = after.minus(before)
     assert (d["prefix_queries"], d["prefix_hits"], d["prefix_hit_rate"]) == (200, 150, 0.75)
     assert d["generation_tokens"] == 60 and d["server_ttft_ms"] == 250.0
+    # the request time split: the two new requests' means; queue time absent from this server
+    assert d["server_prefill_ms"] == 200.0 and d["server_decode_ms"] == 500.0
+    assert d["server_queue_ms"] is None
     assert d["mean_acceptance_length"] == 1 + 40 / 20 and d["num_drafts"] == 20
     assert after.cache_config == {"block_size": "4336", "cache_dtype": "fp8",
                                   "mamba_cache_mode": "align"}  # fmt: skip
@@ -175,9 +182,14 @@ def test_anchor_workload_and_its_comparison_with_nvidias_figure():
     assert work.shared + work.history + work.user == 65536
     with pytest.raises(SystemExit, match="--reuse must be in"):
         anchor.workload(argparse.Namespace(**{**vars(args), "reuse": 1.0}))
+    split = dict(server_queue_ms=900.0, server_prefill_ms=1500.0, server_decode_ms=5000.0)
+    detail = [{"wall_s": 15.0}, {"wall_s": 14.0}, {"wall_s": 14.4}]
     servers = {"dspark7-plugin": {"row": "dspark7-plugin", "status": "ok",
-                                  "concurrency": [conc(20, [2194.0 * 0.9])]}}  # fmt: skip
+                                  "concurrency": [conc(20, [2194.0 * 0.9], **split,
+                                                       repeats_detail=detail)]}}  # fmt: skip
     ns = argparse.Namespace(concurrency=[20], repeats=1, warmup_repeats=0, instances=1, recipe=True)
     (table,) = anchor.tables({"servers": servers, "models": {"target_kind": "nvfp4"}}, ns, work)
     row = dict(zip(table.columns, table.rows[0]))
     assert row["NVIDIA (conc, acceptance)"] == "2194 (20, 3.69)" and row["x NVIDIA"] == "0.90"
+    assert row["s a turn"] == "7.20"  # the median repeat (14.4 s) over its 2 turns
+    assert row["server queue / prefill / decode ms"] == "900 / 1500 / 5000"
