@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.background import start_early
 from vllm_nemotron_spec import bench
 from vllm_nemotron_spec.bench import (
     BenchError,
@@ -785,14 +786,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def dflash_server(tiny_family, one_layer_dflash, tmp_path_factory):
+def dflash_server_process(tiny_family, one_layer_dflash, tmp_path_factory):
     """A real ``vllm serve`` (through the package's passthrough) on 127.0.0.1 with the 1-layer
-    DFlash draft; stopped at the end of the module."""
+    DFlash draft, launched when the module starts (it starts while the offline tests run; most
+    of a start is vLLM's single-threaded import) and not waited for; stopped at the end of the
+    module. ``(process, url, log, launch time)``."""
     import os
     import subprocess
     import sys
     import time
-    import urllib.request
 
     port = _free_port()
     log = tmp_path_factory.mktemp("bench-server") / "serve.log"
@@ -823,25 +825,11 @@ def dflash_server(tiny_family, one_layer_dflash, tmp_path_factory):
         "--per-request-spec-decode-metrics",
         "summary",
     ]
+    launched = time.monotonic()
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not ready after 300 s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
-        import vllm
-
-        yield url, vllm.__version__  # what the server's /version reports
+        yield proc, f"http://127.0.0.1:{port}", log, launched
     finally:
         proc.terminate()
         try:
@@ -849,6 +837,35 @@ def dflash_server(tiny_family, one_layer_dflash, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launch_server_early(request):
+    start_early(request, "dflash_server_process")
+
+
+@pytest.fixture(scope="module")
+def dflash_server(dflash_server_process):
+    """The server of :func:`dflash_server_process`, once ready (300 s from its launch)."""
+    import time
+    import urllib.request
+
+    proc, url, log, launched = dflash_server_process
+    deadline = launched + 300
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"vllm serve not ready after 300 s:\n{log.read_text()[-3000:]}")
+        time.sleep(1)
+    import vllm
+
+    return url, vllm.__version__  # what the server's /version reports
 
 
 @pytest.mark.engine

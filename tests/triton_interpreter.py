@@ -28,10 +28,20 @@ in_parent_only = pytest.mark.skipif(RUN_KERNELS, reason="the kernel tests run in
 def run_module_in_interpreter(test_file: str) -> None:
     """Run ``test_file`` in a child pytest with TRITON_INTERPRET=1; assert its tests passed and
     that it ran every kernel test (none skipped as if it were the parent)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    check_interpreter_run(interpreter_run(test_file))
+
+
+def interpreter_run(test_file: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The child pytest of :func:`run_module_in_interpreter`, finished (``env``: the environment
+    to start it from, default this process's now)."""
+    env = dict(os.environ if env is None else env, TRITON_INTERPRET="1")
     repo = Path(__file__).resolve().parents[1]
     argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(test_file)]
-    proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+    return subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+
+
+def check_interpreter_run(proc: subprocess.CompletedProcess) -> None:
+    """Assert that the child pytest of :func:`interpreter_run` passed and ran every kernel test."""
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]

@@ -1,24 +1,15 @@
 """Every scenario but speed (tests/benchmarks/test_speed.py) runs its CPU path here: the tiny
-family and tiny grids, every code path without a GPU, checked for what each must produce."""
+family and tiny grids, every code path without a GPU, checked for what each must produce. The
+``benchmarks/run.py`` runs start in the background (conftest.py) while the in-process ones run."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.harness import cli
 from benchmarks.harness import nvfp4_layers as nl
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run_py(*args, timeout=900):
-    cmd = [sys.executable, str(REPO / "benchmarks" / "run.py"), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 @pytest.fixture
@@ -78,9 +69,16 @@ def test_gpu_tolerance_arithmetic():
 
 
 @pytest.mark.engine
-def test_draft_breakdown_attributes_the_draft_step_on_cpu(tmp_path):
-    out = tmp_path / "out"
-    done = run_py("draft-breakdown", "--smoke", "--out", out, "--models-dir", tmp_path / "m")
+def test_tp_scenario_is_lossless_on_cpu(tmp_path):
+    assert cli.main(["tp", "--smoke", "--out", str(tmp_path)]) == 0
+    runs = json.loads((tmp_path / "tp.json").read_text())["runs"]
+    assert [(r["tp"], r["method"]) for r in runs] == [(1, "plain"), (1, "dflash"), (1, "dspark")]
+    assert runs[1]["lossless"] and runs[2]["lossless"]
+
+
+@pytest.mark.engine
+def test_draft_breakdown_attributes_the_draft_step_on_cpu(draft_breakdown_run):
+    out, done = draft_breakdown_run.result()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (window,) = json.loads((out / "draft-breakdown.json").read_text())["arms"]["dspark3-plugin"][
         "windows"
@@ -93,21 +91,17 @@ def test_draft_breakdown_attributes_the_draft_step_on_cpu(tmp_path):
 
 
 @pytest.mark.engine
-def test_served_scenarios_on_cpu(tmp_path):
+def test_served_scenarios_on_cpu(serving_run, anchor_run):
     """serving (multi-turn, a shared prefix) and anchor (sessions with their own cached
     context) each through one real plugin server on 127.0.0.1."""
-    out = tmp_path / "serving"
-    done = run_py("serving", "--smoke", "--out", out, "--models-dir", tmp_path / "m",
-                  "--arms", "dspark3-plugin")  # fmt: skip
+    out, done = serving_run.result()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (c,) = json.loads((out / "serving.json").read_text())["servers"]["dspark3-plugin"][
         "concurrency"
     ]
     assert c["repeats"] == 2 and all(r["requests"] == 2 * 2 for r in c["repeats_detail"])
     assert c["output_tokens"] == 2 * 2 * 2 * 6 and c["mean_acceptance_length"] >= 1.0
-    out = tmp_path / "anchor"
-    done = run_py("anchor", "--smoke", "--out", out, "--models-dir", tmp_path / "m",
-                  "--arms", "dflash5-plugin", "--input-len", "200")  # fmt: skip
+    out, done = anchor_run.result()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     entry = json.loads((out / "anchor.json").read_text())["servers"]["dflash5-plugin"]
     (c,) = entry["concurrency"]
@@ -116,11 +110,3 @@ def test_served_scenarios_on_cpu(tmp_path):
     assert c["server_prefill_ms"] > 0 and c["server_decode_ms"] > 0
     assert c["server_queue_ms"] is not None
     assert "1744 (16, 3.18)" in (out / "anchor.md").read_text()
-
-
-@pytest.mark.engine
-def test_tp_scenario_is_lossless_on_cpu(tmp_path):
-    assert cli.main(["tp", "--smoke", "--out", str(tmp_path)]) == 0
-    runs = json.loads((tmp_path / "tp.json").read_text())["runs"]
-    assert [(r["tp"], r["method"]) for r in runs] == [(1, "plain"), (1, "dflash"), (1, "dspark")]
-    assert runs[1]["lossless"] and runs[2]["lossless"]

@@ -5,16 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks.harness import models
 from benchmarks.scenarios import speed
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def args(**over):
@@ -270,16 +265,10 @@ def test_schedule_table_sets_the_tuned_arm_beside_the_best_fixed_k_and_plain():
 
 
 @pytest.mark.engine
-def test_speed_smoke_runs_every_path_on_cpu(tmp_path):
-    out = tmp_path / "out"
-    # tune's schedule for the tiny DSpark: block 3, k 3 alone, k 1 from two requests on
-    schedule = _schedule_file(tmp_path, num_speculative_tokens=3,
-                              num_speculative_tokens_per_batch_size=[[1, 1, 3], [2, 64, 1]])  # fmt: skip
-    cmd = [sys.executable, str(REPO / "benchmarks" / "run.py"), "speed", "--smoke", "--out",
-           str(out), "--models-dir", str(tmp_path / "models"), "--concurrency", "2",
-           "--steps", "3", "--profile-steps", "2", "--warmup-steps", "1",
-           "--arms", "dspark3,plain,tuned", "--schedule", schedule]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
+def test_speed_smoke_runs_every_path_on_cpu(speed_run):
+    """``run.py speed --smoke`` (tests/benchmarks/conftest.py: two concurrent requests, plugin,
+    plain and tune's schedule for the tiny DSpark: block 3, k 3 alone, k 1 from two requests on)."""
+    out, done = speed_run.result()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "speed.json").read_text())
     plugin, plain = result["arms"]["dspark3-plugin"], result["arms"]["plain"]

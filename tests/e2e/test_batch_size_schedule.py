@@ -78,31 +78,56 @@ def plain(tiny_family, prompts):
         runs.release(llm)
 
 
-@pytest.fixture(scope="module", params=["dflash", "dspark"])
-def scheduled(request, tiny_family, trained, prompts):
-    """One engine per method with the schedule: tokens, counters, recorded steps, proposer."""
-    method = request.param
+def _scheduled_engine(tiny_family, trained, method):
+    """The method's engine with the schedule."""
     spec = {
         "method": method,
         "model": str(getattr(trained, method)),
         "num_speculative_tokens": BLOCK,
         "num_speculative_tokens_per_batch_size": SCHEDULE,
     }
-    llm = runs.make_llm(str(tiny_family.target), spec, enable_prefix_caching=False)
+    return runs.make_llm(str(tiny_family.target), spec, enable_prefix_caching=False)
+
+
+def _scheduled_run(llm, method, prompts):
+    """The prompts on an engine of :func:`_scheduled_engine`: tokens, counters, recorded steps,
+    proposer."""
+    core = llm.llm_engine.engine_core.engine_core
+    drafter = core.model_executor.driver_worker.worker.model_runner.drafter
+    with record_schedule(llm) as steps, record_drafting(drafter) as calls:
+        tokens, counters = _generate(llm, prompts)
+    return types.SimpleNamespace(
+        method=method,
+        tokens=tokens,
+        counters=counters,
+        steps=steps,
+        calls=calls,
+        proposer=type(drafter).__name__,
+        lookup=list(core.scheduler.dynamic_sd_lookup or []),
+    )
+
+
+@pytest.fixture(scope="module")
+def dspark_engine_runs(tiny_family, trained, prompts):
+    """The DSpark engine with the schedule, started once for two uses: first its run for
+    ``scheduled``, then the same batch drafting the whole block and drafting only k
+    (:func:`_drafts_only_k_runs`)."""
+    llm = _scheduled_engine(tiny_family, trained, "dspark")
     try:
-        core = llm.llm_engine.engine_core.engine_core
-        drafter = core.model_executor.driver_worker.worker.model_runner.drafter
-        with record_schedule(llm) as steps, record_drafting(drafter) as calls:
-            tokens, counters = _generate(llm, prompts)
-        return types.SimpleNamespace(
-            method=method,
-            tokens=tokens,
-            counters=counters,
-            steps=steps,
-            calls=calls,
-            proposer=type(drafter).__name__,
-            lookup=list(core.scheduler.dynamic_sd_lookup or []),
-        )
+        return _scheduled_run(llm, "dspark", prompts), _drafts_only_k_runs(llm, prompts)
+    finally:
+        runs.release(llm)
+
+
+@pytest.fixture(scope="module", params=["dflash", "dspark"])
+def scheduled(request, tiny_family, trained, prompts):
+    """One engine per method with the schedule: tokens, counters, recorded steps, proposer."""
+    method = request.param
+    if method == "dspark":
+        return request.getfixturevalue("dspark_engine_runs")[0]
+    llm = _scheduled_engine(tiny_family, trained, method)
+    try:
+        return _scheduled_run(llm, method, prompts)
     finally:
         runs.release(llm)
 
@@ -401,39 +426,37 @@ def test_the_k_of_a_running_engine_is_set_in_its_engine_core_process(
     assert forced[1].num_draft_tokens == 2 * forced[1].num_drafts
 
 
-def test_dspark_drafting_only_k_drafts_what_the_block_drafted(tiny_family, trained, prompts, plain):
+def _drafts_only_k_runs(llm, prompts) -> dict:
+    """On a DSpark engine of :func:`_scheduled_engine`: the prompts drafting the whole block and
+    cutting it to k, then drafting only k. ``{"default": the drafter's own setting, only_k:
+    (tokens, counters, each step's drafts, recorded proposer calls)}``."""
+    core = llm.llm_engine.engine_core.engine_core
+    drafter = core.model_executor.driver_worker.worker.model_runner.drafter
+    runs_by_mode = {"default": drafter.drafts_only_k}
+    for only_k in (False, True):
+        drafter.drafts_only_k = only_k
+        with record_drafting(drafter) as calls:
+            recording, drafts = drafter.propose, []
+
+            def propose(**kwargs):
+                out = recording(**kwargs)
+                drafts.append(out.tolist())
+                return out
+
+            drafter.propose = propose
+            tokens, counters = _generate(llm, prompts)
+        runs_by_mode[only_k] = (tokens, counters, drafts, calls)
+    return runs_by_mode
+
+
+def test_dspark_drafting_only_k_drafts_what_the_block_drafted(dspark_engine_runs, plain):
     """The premise of drafting only k: with causal block attention a step's first k drafts are
     the block's. The same schedule, drafting the whole block and cutting it to k, then drafting
     only k: every step's drafts are the same tokens (with DFlash, which attends across its
     block, some steps' drafts differ), and so are the outputs (plain decoding's) and the
-    accepted drafts at every position."""
-    spec = {
-        "method": "dspark",
-        "model": str(trained.dspark),
-        "num_speculative_tokens": BLOCK,
-        "num_speculative_tokens_per_batch_size": SCHEDULE,
-    }
-    llm = runs.make_llm(str(tiny_family.target), spec, enable_prefix_caching=False)
-    runs_by_mode = {}
-    try:
-        core = llm.llm_engine.engine_core.engine_core
-        drafter = core.model_executor.driver_worker.worker.model_runner.drafter
-        assert drafter.drafts_only_k  # the DSpark draft's attention is causal
-        for only_k in (False, True):
-            drafter.drafts_only_k = only_k
-            with record_drafting(drafter) as calls:
-                recording, drafts = drafter.propose, []
-
-                def propose(**kwargs):
-                    out = recording(**kwargs)
-                    drafts.append(out.tolist())
-                    return out
-
-                drafter.propose = propose
-                tokens, counters = _generate(llm, prompts)
-            runs_by_mode[only_k] = (tokens, counters, drafts, calls)
-    finally:
-        runs.release(llm)
+    accepted drafts at every position. (On the engine of ``scheduled``'s DSpark run, after it.)"""
+    runs_by_mode = dspark_engine_runs[1]
+    assert runs_by_mode["default"]  # the DSpark draft's attention is causal
     (t_block, c_block, d_block, calls_block), (t_k, c_k, d_k, calls_k) = (
         runs_by_mode[False],
         runs_by_mode[True],

@@ -2,7 +2,9 @@
 
 Each test runs the real engine (tiny family, fp32, greedy) in a fresh interpreter, after changing
 what a user's machine could change under the plugin: the version vLLM reports, the code of a
-symbol a patch replaces, a private vLLM module the plugin imports.
+symbol a patch replaces, a private vLLM module the plugin imports. The interpreters start together
+when the module starts, two at a time (most of each is vLLM's single-threaded import); each test
+checks its own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 import textwrap
 
 import pytest
+
+from tests.background import Jobs, start_early
 
 pytestmark = pytest.mark.engine
 
@@ -71,19 +75,50 @@ def _spec(method, draft):
     return {"method": method, "model": str(draft), "num_speculative_tokens": 3}
 
 
-def test_a_patch_release_with_unchanged_code_routes_both_drafts_and_stays_exact(
-    tiny_family, trained, tmp_path
-):
-    """vLLM reporting 0.32.1 (a release the plugin was not tested on) whose patched symbols are
-    unchanged: every patch installs, DFlash and DSpark are routed to the plugin's classes and the
-    output equals plain decoding's token for token."""
+@pytest.fixture(scope="module")
+def jobs():
+    pool = Jobs(workers=2)
+    yield pool
+    pool.close()
+
+
+def _submit(jobs, tmp_path_factory, name, tiny_family, tamper: str, runs: list):
+    """:func:`_run` in the background: a future of its ``(results, states, log)``."""
+    workdir = tmp_path_factory.mktemp(name)
+    return jobs.submit(_run, workdir, tamper, tiny_family.target, tiny_family.tokenizer, runs)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_runs(request):
+    start_early(
+        request,
+        "patch_release_run",
+        "changed_symbol_run",
+        "no_config_hook_run",
+        "failed_registration_run",
+    )
+
+
+PATCH_RELEASE_TAMPER = "import vllm\nvllm.__version__ = '0.32.1'\n"
+
+
+@pytest.fixture(scope="module")
+def patch_release_run(jobs, tmp_path_factory, tiny_family, trained):
     runs = [
         ["plain", None],
         ["dflash", _spec("dflash", trained.dflash)],
         ["dspark", _spec("dspark", trained.dspark)],
     ]
-    tamper = "import vllm\nvllm.__version__ = '0.32.1'\n"
-    results, states, log = _run(tmp_path, tamper, tiny_family.target, tiny_family.tokenizer, runs)
+    return _submit(jobs, tmp_path_factory, "patch-release", tiny_family, PATCH_RELEASE_TAMPER, runs)
+
+
+def test_a_patch_release_with_unchanged_code_routes_both_drafts_and_stays_exact(
+    patch_release_run,
+):
+    """vLLM reporting 0.32.1 (a release the plugin was not tested on) whose patched symbols are
+    unchanged: every patch installs, DFlash and DSpark are routed to the plugin's classes and the
+    output equals plain decoding's token for token."""
+    results, states, log = patch_release_run.result()
     assert "vllm-nemotron-spec 0.1.0 on vLLM 0.32.1 (cpu): registered" in log  # a tested range
     for name in ("nemotron_h_config_hook", "v1_nemotron35_proposers", "mamba_spec_decode_padding"):
         assert states[name].startswith("installed"), (name, states[name])
@@ -102,25 +137,34 @@ def test_a_patch_release_with_unchanged_code_routes_both_drafts_and_stays_exact(
         assert results[method]["tokens"] == plain, method
 
 
-def test_a_changed_symbol_refuses_the_routed_draft_and_serves_everything_else(
-    tiny_family, trained, tmp_path
-):
-    """The scheduler's code differs from every checked version: that patch does not install;
-    a Nemotron 3.5 draft is refused at start-up in one line naming the patch, the symbol and
-    the vLLM version; plain decoding of the same target and ngram (not routed) still serve."""
-    tamper = """
-    import vllm.v1.core.sched.scheduler as sched
-    _upstream = sched.Scheduler.schedule
-    def schedule(self, *args, **kwargs):  # same behaviour, other code
-        return _upstream(self, *args, **kwargs)
-    sched.Scheduler.schedule = schedule
-    """
+CHANGED_SYMBOL_TAMPER = """
+import vllm.v1.core.sched.scheduler as sched
+_upstream = sched.Scheduler.schedule
+def schedule(self, *args, **kwargs):  # same behaviour, other code
+    return _upstream(self, *args, **kwargs)
+sched.Scheduler.schedule = schedule
+"""
+
+
+@pytest.fixture(scope="module")
+def changed_symbol_run(jobs, tmp_path_factory, tiny_family, trained):
     runs = [
         ["plain", None],
         ["ngram", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}],
         ["dflash", _spec("dflash", trained.dflash)],
     ]
-    results, states, log = _run(tmp_path, tamper, tiny_family.target, tiny_family.tokenizer, runs)
+    return _submit(
+        jobs, tmp_path_factory, "changed-symbol", tiny_family, CHANGED_SYMBOL_TAMPER, runs
+    )
+
+
+def test_a_changed_symbol_refuses_the_routed_draft_and_serves_everything_else(
+    changed_symbol_run,
+):
+    """The scheduler's code differs from every checked version: that patch does not install;
+    a Nemotron 3.5 draft is refused at start-up in one line naming the patch, the symbol and
+    the vLLM version; plain decoding of the same target and ngram (not routed) still serve."""
+    results, states, log = changed_symbol_run.result()
     assert states["mamba_spec_decode_padding"].startswith("not installed")
     assert "Scheduler.schedule changed on vLLM 0.32.0" in states["mamba_spec_decode_padding"]
     assert len(results["plain"]["tokens"]) == 3 and results["ngram"].get("error") is None
@@ -132,21 +176,30 @@ def test_a_changed_symbol_refuses_the_routed_draft_and_serves_everything_else(
     assert "vLLM 0.32.0" in line
 
 
+NO_CONFIG_HOOK_TAMPER = """
+from vllm.config.vllm import VllmConfig
+_upstream = VllmConfig.try_verify_and_update_config
+def try_verify_and_update_config(self):  # same behaviour, other code
+    return _upstream(self)
+VllmConfig.try_verify_and_update_config = try_verify_and_update_config
+"""
+
+
+@pytest.fixture(scope="module")
+def no_config_hook_run(jobs, tmp_path_factory, tiny_family, trained):
+    runs = [["plain", None], ["dflash", _spec("dflash", trained.dflash)]]
+    return _submit(
+        jobs, tmp_path_factory, "no-config-hook", tiny_family, NO_CONFIG_HOOK_TAMPER, runs
+    )
+
+
 def test_without_the_config_hook_a_nemotron35_draft_is_refused_by_the_draft_class_guard(
-    tiny_family, trained, tmp_path
+    no_config_hook_run,
 ):
     """vLLM's config code differs from the checked one, so the NemotronH hook (the plugin's
     checks and routing) cannot install: a Nemotron 3.5 draft is refused in one line when vLLM
     builds it, by a path that does not depend on the hook; plain decoding still serves."""
-    tamper = """
-    from vllm.config.vllm import VllmConfig
-    _upstream = VllmConfig.try_verify_and_update_config
-    def try_verify_and_update_config(self):  # same behaviour, other code
-        return _upstream(self)
-    VllmConfig.try_verify_and_update_config = try_verify_and_update_config
-    """
-    runs = [["plain", None], ["dflash", _spec("dflash", trained.dflash)]]
-    results, states, log = _run(tmp_path, tamper, tiny_family.target, tiny_family.tokenizer, runs)
+    results, states, log = no_config_hook_run.result()
     assert states["nemotron_h_config_hook"].startswith("not installed")
     assert "the NemotronH config hook is not installed" in log
     assert "guard DFlashDraftModel (refuses unrouted Nemotron 3.5 drafts)" in log
@@ -157,26 +210,35 @@ def test_without_the_config_hook_a_nemotron35_draft_is_refused_by_the_draft_clas
     assert "NemotronH config hook is not installed" in line and "on vLLM 0.32.0" in line
 
 
-def test_a_failed_registration_is_logged_once_and_refuses_only_what_needs_it(
-    tiny_family, trained, tmp_path
-):
-    """A private vLLM name the plugin's quantization config imports is gone: vLLM still serves
-    the plain target and an unquantized Nemotron 3.5 draft, one error line says what failed, and
-    the NVFP4 draft (which needs that registration) is refused in one line. (In bf16: in fp32
-    vLLM's own ModelOpt config, which then claims the draft, refuses fp32 before the plugin.)"""
-    tamper = """
-    # a private helper the plugin's quantization config imports is gone (renamed upstream);
-    # vLLM's own modules that use it are loaded already and keep working
-    import vllm.model_executor.layers.quantization.modelopt
-    import vllm.model_executor.layers.linear as linear
-    del linear.register_weight_loader_v2_supported_method
-    """
+FAILED_REGISTRATION_TAMPER = """
+# a private helper the plugin's quantization config imports is gone (renamed upstream);
+# vLLM's own modules that use it are loaded already and keep working
+import vllm.model_executor.layers.quantization.modelopt
+import vllm.model_executor.layers.linear as linear
+del linear.register_weight_loader_v2_supported_method
+"""
+
+
+@pytest.fixture(scope="module")
+def failed_registration_run(jobs, tmp_path_factory, tiny_family, trained):
     runs = [
         ["plain", None],
         ["dflash_bf16", _spec("dflash", trained.dflash_unquantized)],
         ["dflash", _spec("dflash", trained.dflash), {"dtype": "bfloat16"}],
     ]
-    results, states, log = _run(tmp_path, tamper, tiny_family.target, tiny_family.tokenizer, runs)
+    return _submit(
+        jobs, tmp_path_factory, "failed-registration", tiny_family, FAILED_REGISTRATION_TAMPER, runs
+    )
+
+
+def test_a_failed_registration_is_logged_once_and_refuses_only_what_needs_it(
+    failed_registration_run,
+):
+    """A private vLLM name the plugin's quantization config imports is gone: vLLM still serves
+    the plain target and an unquantized Nemotron 3.5 draft, one error line says what failed, and
+    the NVFP4 draft (which needs that registration) is refused in one line. (In bf16: in fp32
+    vLLM's own ModelOpt config, which then claims the draft, refuses fp32 before the plugin.)"""
+    results, states, log = failed_registration_run.result()
     errors = [ln for ln in log.splitlines() if "quantization not registered" in ln]
     assert len(errors) == 1, log[-3000:]
     assert "every other model is unaffected" in errors[0]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.background import Jobs, start_early
 from tests.hub_server import LoopbackHub
 from vllm_nemotron_spec.bench import client as http
 from vllm_nemotron_spec.bench import server as serve
@@ -125,9 +126,23 @@ def prompts(tiny_family):
 
 
 @pytest.fixture(scope="module")
-def plain(tiny_family, prompts):
+def plain_run(tiny_family, prompts):
+    """:func:`llm_tokens` of the target alone from its local directory (no Hub), started when the
+    module starts: it runs while the Hub tests before the first one that needs it run."""
+    jobs = Jobs(workers=1)
+    yield jobs.submit(llm_tokens, dict(os.environ), str(tiny_family.target), None, prompts)
+    jobs.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_plain_run(request):
+    start_early(request, "plain_run")
+
+
+@pytest.fixture(scope="module")
+def plain(plain_run):
     """The target's own greedy tokens (plain decoding, from its local directory)."""
-    tokens, _ = llm_tokens(dict(os.environ), str(tiny_family.target), None, prompts)
+    tokens, _ = plain_run.result()
     return tokens
 
 

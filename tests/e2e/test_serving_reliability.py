@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.background import param_selected
 from vllm_nemotron_spec.bench import client as http
 from vllm_nemotron_spec.bench import server as serve
 
@@ -92,23 +93,44 @@ def plain_launched(tiny_family, tmp_path_factory, startup_future):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def spec_launch(tiny_family, plain_launched, tmp_path_factory):
+    """``launch(method)``: the method's stressed speculative server, launched on the first call
+    (not waited for); every one launched is stopped at the end of the module."""
+    launched = {}
+
+    def launch(method):
+        if method not in launched:
+            draft = rel.method_draft(method, tiny_family)
+            log = tmp_path_factory.mktemp(f"{method}-server") / "serve.log"
+            launched[method] = serve.launch_server(
+                tiny_family.target,
+                log,
+                speculative_config=rel.speculative_config(method, draft),
+                args=rel.stressed_args(SIZE, method),
+            )
+        return launched[method]
+
+    yield launch
+    for server in launched.values():
+        if server.proc.returncode is None:  # spec_server stops each after its tests
+            server.stop()
+
+
 @pytest.fixture(scope="module", params=METHODS)
-def spec_server(request, tiny_family, plain_launched, tmp_path_factory):
+def spec_server(request, spec_launch):
     """The stressed speculative server: rel.KV_BLOCKS[method] KV blocks, SIZE.max_num_seqs
-    sequences."""
+    sequences. Once it is ready, the next method's server is launched: it starts while this
+    one's tests run (most of a start is vLLM's single-threaded import)."""
     method = request.param
-    draft = rel.method_draft(method, tiny_family)
-    log = tmp_path_factory.mktemp(f"{method}-server") / "serve.log"
-    server = serve.launch_server(
-        tiny_family.target,
-        log,
-        speculative_config=rel.speculative_config(method, draft),
-        args=rel.stressed_args(SIZE, method),
-    )
+    server = spec_launch(method)
     try:
         serve.wait_ready(server, timeout=420)
         server.extra["model"] = http.served_model(server.url)
         server.extra["kv_blocks"] = rel.kv_blocks(method)
+        later = METHODS[METHODS.index(method) + 1 :]
+        if later and param_selected(request, "spec_server", later[0]):
+            spec_launch(later[0])
         yield server
     finally:
         server.stop()

@@ -18,19 +18,23 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import os
 import re
 from dataclasses import replace
 
 import pytest
 import torch
 
+from tests.background import Jobs, start_early
 from tests.nvfp4_bytes import raw_nvfp4
 from tests.triton_interpreter import (
     CUDA,
+    RUN_KERNELS,
+    check_interpreter_run,
     in_parent_only,
+    interpreter_run,
     kernel_test,
     nvidia_backend,
-    run_module_in_interpreter,
 )
 from vllm_nemotron_spec.nvfp4 import format as nvfp4
 from vllm_nemotron_spec.tiny import reference as ref
@@ -43,9 +47,19 @@ pytest.importorskip("triton", reason="Triton is not installed here (a GPU depend
 mk = importlib.import_module(_MODULE)
 
 
-@in_parent_only
-def test_kernel_tests_in_triton_interpreter():
-    run_module_in_interpreter(__file__)
+@pytest.fixture(scope="module")
+def interpreter_child():
+    """The child pytest of test_kernel_tests_in_triton_interpreter (the kernel tests in Triton's
+    interpreter), started when this module starts: the parent's own tests run meanwhile."""
+    jobs = Jobs(workers=1)
+    yield jobs.submit(interpreter_run, __file__, dict(os.environ))
+    jobs.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_interpreter_child(request):
+    if not RUN_KERNELS:
+        start_early(request, "interpreter_child")
 
 
 U_FP32 = 2.0**-24
@@ -517,3 +531,9 @@ def test_cuda_real_shapes_walk(batch, variant):
             bound = error_bound(prevs[b : b + 1, k], w1, dense, ref_logits[b : b + 1, k])
             top2 = ref_logits[b, k].double().topk(2).values
             assert float(top2[0] - top2[1]) <= 4 * float(bound.max()), (b, k)
+
+
+# Last: it waits for the child pytest, which ran while the tests above ran here.
+@in_parent_only
+def test_kernel_tests_in_triton_interpreter(interpreter_child):
+    check_interpreter_run(interpreter_child.result())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.background import Jobs, start_early
 from vllm_nemotron_spec import patches
 
 PATCH_DIR = Path(patches.__file__).parent
@@ -113,15 +115,50 @@ print("OTHER", patches.state("spec_decode_structured_output_backend"))
 """
 
 
-def test_a_changed_target_is_left_alone_and_reported_with_the_version(tmp_path):
-    script = tmp_path / "changed_scheduler.py"
+# The two tests below run a fresh interpreter each (mostly vLLM's single-threaded import): both
+# start when this module starts, while the other tests run.
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    pool = Jobs(workers=2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def changed_scheduler_run(jobs, tmp_path_factory):
+    script = tmp_path_factory.mktemp("changed-scheduler") / "changed_scheduler.py"
     script.write_text(textwrap.dedent(CHANGED_SCHEDULER))
-    out = subprocess.run(
+    return jobs.submit(
+        subprocess.run,
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=300,
+        env=dict(os.environ),
     )
+
+
+@pytest.fixture(scope="module")
+def review_tool_run(jobs):
+    return jobs.submit(
+        subprocess.run,
+        [sys.executable, "-m", "vllm_nemotron_spec.patches"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ),
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_runs(request):
+    start_early(request, "changed_scheduler_run", "review_tool_run")
+
+
+def test_a_changed_target_is_left_alone_and_reported_with_the_version(changed_scheduler_run):
+    out = changed_scheduler_run.result()
     assert out.returncode == 0, out.stderr[-3000:]
     state = next(line for line in out.stdout.splitlines() if line.startswith("STATE"))
     assert "not installed" in state and "Scheduler.schedule changed on vLLM 0.32.1" in state
@@ -159,13 +196,8 @@ def test_a_part_that_does_not_match_restores_the_parts_installed_before_it(monke
     assert second.b() == "b"
 
 
-def test_the_review_tool_lists_every_target_as_checked_on_this_vllm():
-    out = subprocess.run(
-        [sys.executable, "-m", "vllm_nemotron_spec.patches"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def test_the_review_tool_lists_every_target_as_checked_on_this_vllm(review_tool_run):
+    out = review_tool_run.result()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0] == "vLLM 0.32.0"
