@@ -309,6 +309,9 @@ def run(args) -> int:
         for name in group:
             spec = arm_spec(name, args, models, side)
             fingerprint = {"spec": spec, "params": params}
+            settings = {k: os.environ[k] for k in PLUGIN_SETTINGS if k in os.environ}
+            if settings and lane_of(name) == "plugin":  # an A/B's arm is not the default's
+                fingerprint["plugin_settings"] = settings
             kept = kept_entry(run_.previous, "arms", name, fingerprint, args.force)
             if kept:
                 run_.say(f"{name}: kept from the run of {kept.get('kept_at')}")
@@ -608,10 +611,15 @@ def setup_lines(result: dict, args) -> dict:
     }
 
 
+# the plugin's speed settings an A/B sets in the run's environment (each run paired with vLLM alone)
+PLUGIN_SETTINGS = ("NEMOTRON_SPEC_FUSED_MARKOV", "NEMOTRON_SPEC_DRAFT_ATTN_SPLITS")
+
+
 def markov_walk_line(result: dict) -> str:
     """Which DSpark Markov walk the plugin's arms ran, from the line each engine logs (the fused
     walk is the default on Hopper; ``NEMOTRON_SPEC_FUSED_MARKOV=0`` in the environment of the
-    run gives vLLM's loop: the walk's A/B is two runs, each paired with vLLM alone)."""
+    run gives vLLM's loop: the walk's A/B is two runs, each paired with vLLM alone), after the
+    :data:`PLUGIN_SETTINGS` the run's environment sets."""
     seen = {}
     for name, entry in sorted(result.get("arms", {}).items()):
         lines = ((entry.get("info") or {}).get("log") or {}).get("backends") or []
@@ -620,8 +628,8 @@ def markov_walk_line(result: dict) -> str:
         ]
         if walk:
             seen[name] = walk[0]
-    setting = os.environ.get("NEMOTRON_SPEC_FUSED_MARKOV")
-    env = f"NEMOTRON_SPEC_FUSED_MARKOV={setting}" if setting is not None else "default"
+    env = ", ".join(f"{k}={os.environ[k]}" for k in PLUGIN_SETTINGS if k in os.environ)
+    env = env or "default"
     if not seen:
         return f"{env}; no engine logged its walk"
     return f"{env}; " + "; ".join(f"{name}: {walk}" for name, walk in seen.items())

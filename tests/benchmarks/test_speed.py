@@ -329,11 +329,13 @@ def test_the_report_names_the_markov_walk_each_plugin_engine_logged(monkeypatch)
         }
     }
     monkeypatch.setenv("NEMOTRON_SPEC_FUSED_MARKOV", "0")
+    monkeypatch.setenv("NEMOTRON_SPEC_DRAFT_ATTN_SPLITS", "1")
     assert speed.markov_walk_line(result) == (
-        "NEMOTRON_SPEC_FUSED_MARKOV=0; dspark3-plugin: fused (kernels/markov.py, greedy); "
-        "dspark7-plugin: vLLM's loop: NEMOTRON_SPEC_FUSED_MARKOV=0"
+        "NEMOTRON_SPEC_FUSED_MARKOV=0, NEMOTRON_SPEC_DRAFT_ATTN_SPLITS=1; dspark3-plugin: fused "
+        "(kernels/markov.py, greedy); dspark7-plugin: vLLM's loop: NEMOTRON_SPEC_FUSED_MARKOV=0"
     )
     monkeypatch.delenv("NEMOTRON_SPEC_FUSED_MARKOV")
+    monkeypatch.delenv("NEMOTRON_SPEC_DRAFT_ATTN_SPLITS")
     assert speed.markov_walk_line({"arms": {"plain": arm()}}) == (
         "default; no engine logged its walk"
     )
