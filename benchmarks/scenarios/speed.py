@@ -308,10 +308,7 @@ def run(args) -> int:
         arms = []
         for name in group:
             spec = arm_spec(name, args, models, side)
-            fingerprint = {"spec": spec, "params": params}
-            settings = {k: os.environ[k] for k in PLUGIN_SETTINGS if k in os.environ}
-            if settings and lane_of(name) == "plugin":  # an A/B's arm is not the default's
-                fingerprint["plugin_settings"] = settings
+            fingerprint = arm_fingerprint(name, spec, params, os.environ)
             kept = kept_entry(run_.previous, "arms", name, fingerprint, args.force)
             if kept:
                 run_.say(f"{name}: kept from the run of {kept.get('kept_at')}")
@@ -612,7 +609,18 @@ def setup_lines(result: dict, args) -> dict:
 
 
 # the plugin's speed settings an A/B sets in the run's environment (each run paired with vLLM alone)
-PLUGIN_SETTINGS = ("NEMOTRON_SPEC_FUSED_MARKOV", "NEMOTRON_SPEC_DRAFT_ATTN_SPLITS")
+PLUGIN_SETTINGS = ("NEMOTRON_SPEC_FUSED_MARKOV",)
+
+
+def arm_fingerprint(name: str, spec: dict, params: dict, environ) -> dict:
+    """What an earlier result's arm must match to be kept: its engine, the run's parameters and,
+    for a plugin arm, the :data:`PLUGIN_SETTINGS` the environment sets (an A/B's arm into the
+    same ``--out`` is measured, not taken for the default's)."""
+    fingerprint = {"spec": spec, "params": params}
+    settings = {k: environ[k] for k in PLUGIN_SETTINGS if k in environ}
+    if settings and lane_of(name) == "plugin":
+        fingerprint["plugin_settings"] = settings
+    return fingerprint
 
 
 def markov_walk_line(result: dict) -> str:

@@ -313,6 +313,21 @@ def test_a_later_run_in_the_same_out_keeps_what_the_earlier_one_measured():
     assert kept_entry(previous, "arms", "dspark3-plugin", fp, False) is None  # it failed
 
 
+def test_a_plugin_setting_in_the_environment_is_part_of_a_plugin_arms_fingerprint():
+    spec, params = {"engine": {"model": "m"}}, {"repeats": 3}
+    default = speed.arm_fingerprint("dspark3-plugin", spec, params, {})
+    walk_off = speed.arm_fingerprint(
+        "dspark3-plugin", spec, params, {"NEMOTRON_SPEC_FUSED_MARKOV": "0", "HOME": "/root"}
+    )
+    assert walk_off != default  # an A/B arm is measured, never kept from the default's run
+    assert walk_off["plugin_settings"] == {"NEMOTRON_SPEC_FUSED_MARKOV": "0"}
+    # vLLM alone does not load the plugin: its arm is kept whatever the setting
+    alone = speed.arm_fingerprint(
+        "dspark3-alone", spec, params, {"NEMOTRON_SPEC_FUSED_MARKOV": "0"}
+    )
+    assert alone == speed.arm_fingerprint("dspark3-alone", spec, params, {})
+
+
 def test_the_report_names_the_markov_walk_each_plugin_engine_logged(monkeypatch):
     def arm(*lines):
         return {"info": {"log": {"backends": list(lines)}}}
@@ -329,13 +344,11 @@ def test_the_report_names_the_markov_walk_each_plugin_engine_logged(monkeypatch)
         }
     }
     monkeypatch.setenv("NEMOTRON_SPEC_FUSED_MARKOV", "0")
-    monkeypatch.setenv("NEMOTRON_SPEC_DRAFT_ATTN_SPLITS", "1")
     assert speed.markov_walk_line(result) == (
-        "NEMOTRON_SPEC_FUSED_MARKOV=0, NEMOTRON_SPEC_DRAFT_ATTN_SPLITS=1; dspark3-plugin: fused "
-        "(kernels/markov.py, greedy); dspark7-plugin: vLLM's loop: NEMOTRON_SPEC_FUSED_MARKOV=0"
+        "NEMOTRON_SPEC_FUSED_MARKOV=0; dspark3-plugin: fused (kernels/markov.py, greedy); "
+        "dspark7-plugin: vLLM's loop: NEMOTRON_SPEC_FUSED_MARKOV=0"
     )
     monkeypatch.delenv("NEMOTRON_SPEC_FUSED_MARKOV")
-    monkeypatch.delenv("NEMOTRON_SPEC_DRAFT_ATTN_SPLITS")
     assert speed.markov_walk_line({"arms": {"plain": arm()}}) == (
         "default; no engine logged its walk"
     )

@@ -256,15 +256,6 @@ PATCHES: tuple[Patch, ...] = (
         "not reported yet",
         "when vLLM's speculator drafts the step's k itself",
     ),
-    Patch(
-        "v2_draft_attn_splits",
-        "v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator.attn_vllm_config",
-        False,
-        "the target and its draft share one FlashAttention 3 split cap; a Nemotron 3.5 draft's "
-        "few query rows over a 1,024-token window pay a split combine as long as the attention",
-        "not reported yet; vLLM has no draft-only attention config",
-        "when vLLM sizes the draft's splits itself or takes a draft attention config",
-    ),
 )
 
 INSTALLED = "installed"
