@@ -27,7 +27,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import environment, report
+from benchmarks.harness import environment, report, trace
 from vllm_nemotron_spec.bench import client as http
 from vllm_nemotron_spec.bench import parse_prometheus_text, spec_counters_from_metrics
 from vllm_nemotron_spec.bench import server as serve
@@ -178,8 +178,9 @@ def _tokens(rng: random.Random, vocab: int, n: int) -> list[int]:
 
 
 def run_repeat(url: str, model: str, work: Sessions, vocab: int, conc: int, repeat: int,
-               timeout: float) -> dict:  # fmt: skip
-    """``conc`` conversations at once (see the module doc); the repeat's record."""
+               timeout: float, on_timed_start=None) -> dict:  # fmt: skip
+    """``conc`` conversations at once (see the module doc); the repeat's record.
+    ``on_timed_start()``, if given, runs once the cached prefixes are in, before the timed turns."""
     rng = random.Random(f"shared/{repeat}")
     shared = _tokens(rng, vocab, work.shared)
     histories = [shared + _tokens(random.Random(f"history/{repeat}/{conc}/{c}"), vocab,
@@ -188,6 +189,8 @@ def run_repeat(url: str, model: str, work: Sessions, vocab: int, conc: int, repe
     if cold:
         raise http.CompletionError(f"sending the cached prefixes: {cold[0]}")
     before = settled_snapshot(url)
+    if on_timed_start is not None:
+        on_timed_start()
     records: list[dict] = []
     lock = threading.Lock()
 
@@ -292,6 +295,48 @@ def measure(servers: list[Resident], work: Sessions, vocab: int, conc: int, repe
             if repeat >= 0:
                 reps[s.name].append(rec)
     return {name: recs for name, recs in reps.items() if name not in failed}
+
+
+PROFILED_REPEAT = 1000  # the profiled repeat's prompts and seeds are its own
+
+
+def profiler_config(trace_dir: Path, steps: int, cuda: bool) -> dict:
+    """vLLM's torch profiler for a served profile: device activity only (CPU ops without a GPU),
+    no stacks, no front-end trace, stopping itself after ``steps`` engine steps."""
+    return {"profiler": "torch", "torch_profiler_dir": str(Path(trace_dir).resolve()),
+            "torch_profiler_activities": ["CUDA"] if cuda else ["CPU"],
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
+            "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True,
+            "max_iterations": steps}  # fmt: skip
+
+
+def profile_repeat(s: Resident, work: Sessions, vocab: int, conc: int, steps: int,
+                   trace_dir: Path, timeout: float, wait_s: float = 300.0) -> dict:  # fmt: skip
+    """One more repeat (untimed, prompts of its own) with vLLM's profiler on for the first
+    ``steps`` engine steps of its timed turns (the new prompts' prefill first); where that GPU
+    time went (``trace.kernel_families``)."""
+    url, t0 = s.server.url, time.time()
+
+    def start() -> None:
+        status, body = http.post_json(f"{url}/start_profile", {}, timeout)
+        if status != 200:
+            raise http.CompletionError(f"POST /start_profile: HTTP {status} {str(body)[:200]}")
+
+    rec = run_repeat(url, s.model, work, vocab, conc, PROFILED_REPEAT, timeout, start)
+    http.post_json(f"{url}/stop_profile", {}, timeout)  # a no-op once the steps are recorded
+    deadline, last = time.monotonic() + wait_s, "none written"
+    while time.monotonic() < deadline:  # the worker writes the trace as it stops
+        path = trace.newest_trace(trace_dir, after=t0)
+        try:
+            events = trace.load_events(path) if path else None
+        except (OSError, EOFError, ValueError) as exc:  # still being written
+            events, last = None, f"{path.name}: {type(exc).__name__}"
+        if events:
+            out = trace.kernel_families(events)
+            out.update(steps=steps, trace=path.name, errors=rec["errors"][:2])
+            return out
+        time.sleep(2.0)
+    raise http.CompletionError(f"no profiler trace in {trace_dir} after {wait_s:.0f} s ({last})")
 
 
 def summary(reps: list[dict]) -> dict:
@@ -399,11 +444,33 @@ def measure_set(live: list, work: Sessions, vocab: int, args, run, record) -> No
             if s.name in reps:
                 row = summary(reps[s.name])
                 row["repeats_detail"] = reps[s.name]
+                if getattr(args, "profile_steps", 0):
+                    row["profile"] = profiled(s, work, vocab, conc, args, run)
                 s.entry["concurrency"].append(row)
                 run.say(f"{s.name} c{conc}: {report.fmt(row['output_tok_s'], '{:.1f}')} tok/s, "
                         f"acceptance {report.fmt(row['mean_acceptance_length'])}, prefix hits "
                         f"{row['prefix_hits']}/{row['prefix_queries']}")  # fmt: skip
                 record(s)
+
+
+def traces_dir(args) -> Path:
+    return Path(args.out) / "traces"
+
+
+def profiled(s: Resident, work: Sessions, vocab: int, conc: int, args, run) -> dict:
+    """:func:`profile_repeat` within the budget (one more repeat's time); what went wrong
+    recorded in its place, the server's timed results kept."""
+    need = run.budget.work_estimate(f"c{conc}", 60.0) / max(1, args.repeats + args.warmup_repeats)
+    if not run.budget.fits(need):
+        return {"status": run.budget.skipped("the profiled repeat", need)}
+    try:
+        out = profile_repeat(s, work, vocab, conc, args.profile_steps, traces_dir(args),
+                             args.request_timeout)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - recorded beside the timed results
+        return {"status": f"error: {type(exc).__name__}: {exc}"[:400]}
+    run.say(f"{s.name} c{conc} profiled: {out['busy_ms']:.0f} ms busy in {args.profile_steps} "
+            f"steps, " + ", ".join(f"{k} {v:.0f}" for k, v in out["families_ms"].items()))  # fmt: skip
+    return {"status": "ok", **out}
 
 
 def server_args(args, models, num_spec: int, max_len: int, at_once: int) -> list[str]:
@@ -423,6 +490,9 @@ def server_args(args, models, num_spec: int, max_len: int, at_once: int) -> list
             out += ["--moe-backend", args.moe_backend]
     if args.recipe:
         out = [a for a in out if a != "--no-enable-prefix-caching"] + list(RECIPE_FLAGS)
+    if getattr(args, "profile_steps", 0):
+        config = profiler_config(traces_dir(args), args.profile_steps, cuda=not args.smoke)
+        out += ["--profiler-config", json.dumps(config)]
     return out + list(args.server_arg)
 
 
@@ -453,6 +523,11 @@ def add_server_arguments(p, kv_cache_gib: float) -> None:
     p.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds a set of servers may take to start (default 600)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="after each concurrency's timed repeats, one more repeat per server with "
+                   "vLLM's profiler on for the first N engine steps of its turns (the new "
+                   "prompts' prefill first): GPU-busy and the GPU time by kernel family "
+                   "(default 0: off)")  # fmt: skip
 
 
 def side_by_side(args, models, at_once: int) -> bool:
@@ -505,3 +580,38 @@ def _run_set(run, args, specs: list[ServerSpec], work: Sessions, vocab: int, rec
             s.server.stop()
             finish(s)
             record(s)
+
+
+PROFILE_NOTE = (
+    "--profile-steps N: after the timed repeats, one more repeat per server (its own prompts) "
+    "with vLLM's torch profiler on for the first N engine steps of its timed turns, the new "
+    "prompts' prefill first (device activity only). GPU-busy: the union of kernel, copy and "
+    "memset intervals; span: first start to last end. A family is the summed time of kernels "
+    "whose name says so (MoE experts: moe / expert / topk; attention: flash / attn / "
+    "reshape_and_cache; Mamba: ssd / chunk_* / selective / conv1d; other GEMMs: gemm / cutlass / "
+    "nvjet / humming / marlin), share of the families' sum in brackets."
+)
+
+
+def profile_tables(servers: dict) -> list:
+    """The table of every profiled repeat (``--profile-steps``), or none."""
+    families = [f for f, _ in trace.KERNEL_FAMILIES] + [trace.REST]
+    t = report.Table("Where a profiled turn's GPU time went", ["server", "conc", "steps",
+                     "GPU-busy ms", "span ms", *families, "top kernel", "status"],
+                     notes=[PROFILE_NOTE])  # fmt: skip
+    for name, entry in servers.items():
+        for c in entry.get("concurrency") or []:
+            prof = c.get("profile")
+            if not prof:
+                continue
+            if prof.get("status") != "ok":
+                t.add(name, c["concurrency"], *[""] * (len(families) + 4), prof.get("status"))
+                continue
+            ms = prof["families_ms"]
+            total = sum(ms.values()) or 1.0
+            top = (prof.get("top_kernels") or [["", 0, 0]])[0]
+            t.add(name, c["concurrency"], prof["steps"], report.fmt(prof["busy_ms"], "{:.1f}"),
+                  report.fmt(prof["span_ms"], "{:.1f}"),
+                  *[f"{ms.get(f, 0.0):.1f} ({100 * ms.get(f, 0.0) / total:.0f}%)" for f in families],
+                  f"{top[0][:60]} ({top[1]:.1f} ms)", "ok")  # fmt: skip
+    return [t] if t.rows else []

@@ -242,3 +242,73 @@ def by_step(assigned: dict, step: str, glue: str) -> dict:
         "unattributed": unattributed,
         "kernel_names": [names_per_step[i] for i in order],
     }
+
+
+# (family, name fragments), first match wins: the MoE's own GEMMs before dense GEMMs
+KERNEL_FAMILIES = (
+    ("MoE experts", ("moe", "expert", "topk")),
+    ("attention", ("flash", "fmha", "attn", "attention", "reshape_and_cache")),
+    (
+        "Mamba",
+        (
+            "mamba",
+            "ssd",
+            "chunk_scan",
+            "chunk_state",
+            "state_passing",
+            "bmm_chunk",
+            "chunk_cumsum",
+            "selective",
+            "conv1d",
+            "ssu",
+        ),
+    ),  # fmt: skip
+    (
+        "other GEMMs",
+        (
+            "gemm",
+            "cutlass",
+            "cublas",
+            "xmma",
+            "nvjet",
+            "humming",
+            "marlin",
+            "matmul",
+            "aten::mm",
+            "aten::addmm",
+            "aten::linear",
+        ),
+    ),  # fmt: skip
+)
+REST = "rest"
+
+
+def kernel_family(name: str) -> str:
+    lower = name.lower()
+    for family, fragments in KERNEL_FAMILIES:
+        if any(f in lower for f in fragments):
+            return family
+    return REST
+
+
+def kernel_families(events: list[dict], top: int = 10) -> dict:
+    """Where a profiled window's device time went: GPU-busy (the union), the span, each kernel
+    family's summed time (kernels of a family may overlap each other's streams; on a machine
+    without CUDA, top-level CPU ops stand in) and the ``top`` kernels by time."""
+    items = device_events(events) or cpu_ops(events)
+    busy, counted = busy_us(events)
+    families = {family: 0.0 for family, _ in KERNEL_FAMILIES} | {REST: 0.0}
+    kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for e in items:
+        dur = e.get("dur", 0.0)
+        families[kernel_family(e.get("name", ""))] += dur
+        kernels[e.get("name", "")][0] += dur
+        kernels[e.get("name", "")][1] += 1
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "counted": counted,
+        "busy_ms": busy / 1e3,
+        "span_ms": span_us(events) / 1e3,
+        "families_ms": {k: v / 1e3 for k, v in families.items()},
+        "top_kernels": [[name[:120], round(us / 1e3, 3), n] for name, (us, n) in ranked],
+    }

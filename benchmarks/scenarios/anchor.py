@@ -112,7 +112,7 @@ def tables(result: dict, args, work: served.Sessions) -> list:
                 report.fmt(c.get("tpot_ms")), request_split(c), c.get("preemptions"),
                 entry.get("startup_s"), str(entry.get("status"))[:120],
             )  # fmt: skip
-    return [t]
+    return [t, *served.profile_tables(servers)]
 
 
 def turn_s(c: dict, work: served.Sessions) -> float | None:

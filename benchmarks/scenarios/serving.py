@@ -202,7 +202,7 @@ def tables(result: dict, args, work: served.Sessions) -> list:
                 report.fmt(hits_over_reachable(entry, c, work), "{:.3f}", "-"),
                 c.get("preemptions"), entry.get("startup_s"), str(entry.get("status"))[:120],
             )  # fmt: skip
-    return [t]
+    return [t, *served.profile_tables(servers)]
 
 
 def setup_lines(result: dict, args, work: served.Sessions) -> dict:

@@ -52,7 +52,8 @@ def serving_run(smoke_jobs, tmp_path_factory):
 @pytest.fixture(scope="session")
 def anchor_run(smoke_jobs, tmp_path_factory):
     base = tmp_path_factory.mktemp("anchor")
-    return _smoke(smoke_jobs, base, "anchor", "--arms", "dflash5-plugin", "--input-len", "200")
+    return _smoke(smoke_jobs, base, "anchor", "--arms", "dflash5-plugin", "--input-len", "200",
+                  "--profile-steps", "2")  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -109,4 +109,11 @@ def test_served_scenarios_on_cpu(serving_run, anchor_run):
     # vLLM's per-request split, read from the server's /metrics under these names
     assert c["server_prefill_ms"] > 0 and c["server_decode_ms"] > 0
     assert c["server_queue_ms"] is not None
-    assert "1744 (16, 3.18)" in (out / "anchor.md").read_text()
+    # the profiled repeat: vLLM's profiler started over HTTP, stopped after 2 engine steps
+    prof = c["profile"]
+    assert prof["status"] == "ok" and prof["steps"] == 2, prof
+    assert prof["counted"] == "CPU ops (no GPU)" and prof["busy_ms"] > 0
+    assert sum(prof["families_ms"].values()) > 0 and prof["top_kernels"]
+    assert (out / "traces" / prof["trace"]).is_file()
+    text = (out / "anchor.md").read_text()
+    assert "1744 (16, 3.18)" in text and "Where a profiled turn's GPU time went" in text

@@ -5,6 +5,7 @@ and the plugin / vLLM-alone pairing by instance and repeat."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +194,25 @@ def test_anchor_workload_and_its_comparison_with_nvidias_figure():
     assert row["NVIDIA (conc, acceptance)"] == "2194 (20, 3.69)" and row["x NVIDIA"] == "0.90"
     assert row["s a turn"] == "7.20"  # the median repeat (14.4 s) over its 2 turns
     assert row["server queue / prefill / decode ms"] == "900 / 1500 / 5000"
+
+
+def test_a_profiled_repeat_is_configured_and_reported():
+    config = served.profiler_config(Path("rel/traces"), 16, cuda=True)
+    assert config["torch_profiler_dir"] == str(Path("rel/traces").resolve())  # absolute for vLLM
+    assert config["torch_profiler_activities"] == ["CUDA"] and config["max_iterations"] == 16
+    assert config["ignore_frontend"] and not config["torch_profiler_with_stack"]
+    assert served.profiler_config(Path("/t"), 2, cuda=False)["torch_profiler_activities"] == ["CPU"]
+    families = {"MoE experts": 30.0, "attention": 10.0, "Mamba": 5.0, "other GEMMs": 5.0,
+                "rest": 0.0}  # fmt: skip
+    ok = {"status": "ok", "steps": 16, "busy_ms": 52.5, "span_ms": 60.0,
+          "families_ms": families, "top_kernels": [["marlin_moe_wna16::Marlin", 30.0, 832]]}  # fmt: skip
+    servers = {"a": {"concurrency": [conc(20, [1.0], profile=ok)]},
+               "b": {"concurrency": [conc(20, [1.0], profile={"status": "error: no trace"})]},
+               "c": {"concurrency": [conc(20, [1.0])]}}  # fmt: skip
+    (table,) = served.profile_tables(servers)
+    assert [r[0] for r in table.rows] == ["a", "b"]  # an unprofiled server has no row
+    row = dict(zip(table.columns, table.rows[0]))
+    assert row["GPU-busy ms"] == "52.5" and row["MoE experts"] == "30.0 (60%)"
+    assert row["top kernel"] == "marlin_moe_wna16::Marlin (30.0 ms)"
+    assert table.rows[1][-1] == "error: no trace"
+    assert served.profile_tables({"c": servers["c"]}) == []

@@ -184,3 +184,50 @@ def test_a_parts_overlapping_kernels_count_once_in_its_time():
     assert split["us"] == {"target": 60.0, "draft": 30.0}
     assert split["kernel_us"] == {"target": 100.0, "draft": 30.0}
     assert sum(split["us"].values()) == trace.busy_us(ev)[0]
+
+
+def kernel(name, ts, dur, stream=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 1,
+            "tid": stream}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, family",
+    [
+        ("void marlin_moe_wna16::Marlin<4, 8>(...)", "MoE experts"),  # MoE before dense Marlin
+        ("void vllm::moe::topkGatingSoftmax<float>", "MoE experts"),
+        ("void flash::FlashAttnFwdSm90<...>", "attention"),
+        ("void vllm::reshape_and_cache_flash_kernel<...>", "attention"),
+        ("_chunk_scan_fwd_kernel", "Mamba"),
+        ("_selective_scan_update_kernel", "Mamba"),
+        ("void humming::gemm_kernel<...>", "other GEMMs"),
+        ("nvjet_tst_128x64_64x4", "other GEMMs"),
+        ("void marlin::Marlin<...>", "other GEMMs"),
+        ("triton_poi_fused_add_rms_norm_0", "rest"),
+    ],
+)
+def test_kernels_are_sorted_into_families_by_name(name, family):
+    assert trace.kernel_family(name) == family
+
+
+def test_kernel_families_sum_each_family_and_rank_the_kernels():
+    events = [
+        kernel("marlin_moe_wna16::Marlin", 0, 300),
+        kernel("marlin_moe_wna16::Marlin", 400, 300),
+        kernel("FlashAttnFwdSm90", 700, 100),
+        kernel("_chunk_scan_fwd_kernel", 750, 100, stream=8),  # overlaps: busy counts it once
+        kernel("triton_poi_fused_add_rms_norm_0", 1000, 50),
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 5,
+         "pid": 0, "tid": 1},  # a launch is not device time
+    ]  # fmt: skip
+    out = trace.kernel_families(events, top=2)
+    assert out["counted"] == "GPU activity"
+    assert out["busy_ms"] == pytest.approx((300 + 300 + 150 + 50) / 1e3)
+    assert out["span_ms"] == pytest.approx(1.05)
+    assert out["families_ms"] == pytest.approx(
+        {"MoE experts": 0.6, "attention": 0.1, "Mamba": 0.1, "other GEMMs": 0.0, "rest": 0.05}
+    )
+    assert out["top_kernels"] == [
+        ["marlin_moe_wna16::Marlin", 0.6, 2],
+        ["FlashAttnFwdSm90", 0.1, 1],
+    ]
