@@ -496,6 +496,19 @@ def server_args(args, models, num_spec: int, max_len: int, at_once: int) -> list
     return out + list(args.server_arg)
 
 
+def profile_steps(text: str) -> int:
+    """``--profile-steps``: 0 (off) or a positive number of engine steps."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 (off) or a number of engine steps, got {text!r}"
+        )
+    return value
+
+
 def add_server_arguments(p, kv_cache_gib: float) -> None:
     """The options every served scenario has."""
     p.add_argument("--target", choices=("nvfp4", "bf16"), default="nvfp4",
@@ -523,7 +536,7 @@ def add_server_arguments(p, kv_cache_gib: float) -> None:
     p.add_argument("--start-timeout", type=float, default=600.0,
                    help="seconds a set of servers may take to start (default 600)")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+    p.add_argument("--profile-steps", type=profile_steps, default=0, metavar="N",
                    help="after each concurrency's timed repeats, one more repeat per server with "
                    "vLLM's profiler on for the first N engine steps of its turns (the new "
                    "prompts' prefill first): GPU-busy and the GPU time by kernel family "

@@ -216,3 +216,13 @@ def test_a_profiled_repeat_is_configured_and_reported():
     assert row["top kernel"] == "marlin_moe_wna16::Marlin (30.0 ms)"
     assert table.rows[1][-1] == "error: no trace"
     assert served.profile_tables({"c": servers["c"]}) == []
+
+
+@pytest.mark.parametrize("text", ["-1", "two", "1.5"])
+def test_profile_steps_refuses_what_is_not_a_step_count(text, capsys):
+    parser = argparse.ArgumentParser()
+    served.add_server_arguments(parser, kv_cache_gib=8.0)
+    assert parser.parse_args(["--profile-steps", "16"]).profile_steps == 16
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--profile-steps", text])
+    assert "expected 0 (off) or a number of engine steps" in capsys.readouterr().err
