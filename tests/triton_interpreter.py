@@ -3,8 +3,9 @@
 Triton's interpreter needs TRITON_INTERPRET=1 in the environment BEFORE triton is first imported
 (triton.language's own jit helpers are decorated then, and a launch checks it again), which a
 pytest session that already imported vLLM cannot give. So a kernel test module runs its kernel
-tests in a child pytest process started with TRITON_INTERPRET=1 (:func:`run_module_in_interpreter`)
-and skips them in the parent (:data:`kernel_test`); with CUDA they run on the GPU in place.
+tests in a child pytest process started with TRITON_INTERPRET=1 (:func:`interpreter_run`, judged
+by :func:`check_interpreter_run`) and skips them in the parent (:data:`kernel_test`); with CUDA
+they run on the GPU in place.
 """
 
 from __future__ import annotations
@@ -25,23 +26,18 @@ kernel_test = pytest.mark.skipif(not RUN_KERNELS, reason=KERNEL_TEST_SKIP)
 in_parent_only = pytest.mark.skipif(RUN_KERNELS, reason="the kernel tests run in this process")
 
 
-def run_module_in_interpreter(test_file: str) -> None:
-    """Run ``test_file`` in a child pytest with TRITON_INTERPRET=1; assert its tests passed and
-    that it ran every kernel test (none skipped as if it were the parent)."""
-    check_interpreter_run(interpreter_run(test_file))
-
-
-def interpreter_run(test_file: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The child pytest of :func:`run_module_in_interpreter`, finished (``env``: the environment
-    to start it from, default this process's now)."""
-    env = dict(os.environ if env is None else env, TRITON_INTERPRET="1")
+def interpreter_run(test_file: str, env: dict) -> subprocess.CompletedProcess:
+    """``test_file`` run to the end in a child pytest started from ``env`` with TRITON_INTERPRET=1
+    (:func:`check_interpreter_run` judges it)."""
+    env = dict(env, TRITON_INTERPRET="1")
     repo = Path(__file__).resolve().parents[1]
     argv = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(test_file)]
     return subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, timeout=900)
 
 
 def check_interpreter_run(proc: subprocess.CompletedProcess) -> None:
-    """Assert that the child pytest of :func:`interpreter_run` passed and ran every kernel test."""
+    """Assert that the child pytest of :func:`interpreter_run` passed and ran every kernel test
+    (none skipped as if it were the parent)."""
     tail = (proc.stdout + proc.stderr)[-4000:]
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]

@@ -444,7 +444,7 @@ def measure_set(live: list, work: Sessions, vocab: int, args, run, record) -> No
             if s.name in reps:
                 row = summary(reps[s.name])
                 row["repeats_detail"] = reps[s.name]
-                if getattr(args, "profile_steps", 0):
+                if args.profile_steps:
                     row["profile"] = profiled(s, work, vocab, conc, args, run)
                 s.entry["concurrency"].append(row)
                 run.say(f"{s.name} c{conc}: {report.fmt(row['output_tok_s'], '{:.1f}')} tok/s, "
@@ -490,7 +490,7 @@ def server_args(args, models, num_spec: int, max_len: int, at_once: int) -> list
             out += ["--moe-backend", args.moe_backend]
     if args.recipe:
         out = [a for a in out if a != "--no-enable-prefix-caching"] + list(RECIPE_FLAGS)
-    if getattr(args, "profile_steps", 0):
+    if args.profile_steps:
         config = profiler_config(traces_dir(args), args.profile_steps, cuda=not args.smoke)
         out += ["--profiler-config", json.dumps(config)]
     return out + list(args.server_arg)

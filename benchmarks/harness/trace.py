@@ -95,22 +95,32 @@ def union_us(intervals) -> float:
     return total
 
 
-def busy_us(events: list[dict]) -> tuple[float, str]:
-    """(busy microseconds, what was counted): the union of device activity, else of top-level
-    CPU ops (a machine without CUDA)."""
+def counted_events(events: list[dict]) -> tuple[list[dict], str]:
+    """(the events whose time counts, what they are): device activity, else top-level CPU ops
+    (a machine without CUDA)."""
     dev = device_events(events)
-    if dev:
-        return union_us((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in dev), "GPU activity"
-    ops = cpu_ops(events)
-    return union_us((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ops), "CPU ops (no GPU)"
+    return (dev, "GPU activity") if dev else (cpu_ops(events), "CPU ops (no GPU)")
+
+
+def _busy(items: list[dict]) -> float:
+    return union_us((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in items)
+
+
+def _span(items: list[dict]) -> float:
+    if not items:
+        return 0.0
+    return max(e["ts"] + e.get("dur", 0.0) for e in items) - min(e["ts"] for e in items)
+
+
+def busy_us(events: list[dict]) -> tuple[float, str]:
+    """(busy microseconds, what was counted): the union of :func:`counted_events`."""
+    items, counted = counted_events(events)
+    return _busy(items), counted
 
 
 def span_us(events: list[dict]) -> float:
     """From the first start to the last end of the events counted by :func:`busy_us`."""
-    items = device_events(events) or cpu_ops(events)
-    if not items:
-        return 0.0
-    return max(e["ts"] + e.get("dur", 0.0) for e in items) - min(e["ts"] for e in items)
+    return _span(counted_events(events)[0])
 
 
 def _ranges(events: list[dict]) -> list[dict]:
@@ -295,8 +305,7 @@ def kernel_families(events: list[dict], top: int = 10) -> dict:
     """Where a profiled window's device time went: GPU-busy (the union), the span, each kernel
     family's summed time (kernels of a family may overlap each other's streams; on a machine
     without CUDA, top-level CPU ops stand in) and the ``top`` kernels by time."""
-    items = device_events(events) or cpu_ops(events)
-    busy, counted = busy_us(events)
+    items, counted = counted_events(events)
     families = {family: 0.0 for family, _ in KERNEL_FAMILIES} | {REST: 0.0}
     kernels: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for e in items:
@@ -307,8 +316,8 @@ def kernel_families(events: list[dict], top: int = 10) -> dict:
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "counted": counted,
-        "busy_ms": busy / 1e3,
-        "span_ms": span_us(events) / 1e3,
+        "busy_ms": _busy(items) / 1e3,
+        "span_ms": _span(items) / 1e3,
         "families_ms": {k: v / 1e3 for k, v in families.items()},
         "top_kernels": [[name[:120], round(us / 1e3, 3), n] for name, (us, n) in ranked],
     }
