@@ -66,3 +66,13 @@ def tiny_family(tiny_seed):
     from vllm_nemotron_spec.tiny.build import ensure_tiny_family
 
     return ensure_tiny_family(seed=tiny_seed)
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    """A module's pool for slow work started early (tests/background.py), two jobs at a time."""
+    from tests.background import Jobs
+
+    pool = Jobs(workers=2)
+    yield pool
+    pool.close()

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from tests.background import Jobs, start_early
+from tests.background import start_early
 
 pytestmark = pytest.mark.engine
 
@@ -73,13 +73,6 @@ def _run(tmp_path, tamper: str, target, tokenizer, runs: list) -> tuple[dict, di
 
 def _spec(method, draft):
     return {"method": method, "model": str(draft), "num_speculative_tokens": 3}
-
-
-@pytest.fixture(scope="module")
-def jobs():
-    pool = Jobs(workers=2)
-    yield pool
-    pool.close()
 
 
 def _submit(jobs, tmp_path_factory, name, tiny_family, tamper: str, runs: list):

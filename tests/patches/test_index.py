@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.background import Jobs, start_early
+from tests.background import start_early
 from vllm_nemotron_spec import patches
 
 PATCH_DIR = Path(patches.__file__).parent
@@ -117,13 +117,6 @@ print("OTHER", patches.state("spec_decode_structured_output_backend"))
 
 # The two tests below run a fresh interpreter each (mostly vLLM's single-threaded import): both
 # start when this module starts, while the other tests run.
-
-
-@pytest.fixture(scope="module")
-def jobs():
-    pool = Jobs(workers=2)
-    yield pool
-    pool.close()
 
 
 @pytest.fixture(scope="module")
