@@ -300,21 +300,22 @@ def measure(servers: list[Resident], work: Sessions, vocab: int, conc: int, repe
 PROFILED_REPEAT = 1000  # the profiled repeat's prompts and seeds are its own
 
 
-def profiler_config(trace_dir: Path, steps: int, cuda: bool) -> dict:
+def profiler_config(trace_dir: Path, steps: int, cuda: bool, skip: int = 0) -> dict:
     """vLLM's torch profiler for a served profile: device activity only (CPU ops without a GPU),
-    no stacks, no front-end trace, stopping itself after ``steps`` engine steps."""
+    no stacks, no front-end trace, recording ``steps`` engine steps after the first ``skip``
+    (vLLM's ``delay_iterations``), then stopping itself."""
     return {"profiler": "torch", "torch_profiler_dir": str(Path(trace_dir).resolve()),
             "torch_profiler_activities": ["CUDA"] if cuda else ["CPU"],
             "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
             "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True,
-            "max_iterations": steps}  # fmt: skip
+            "delay_iterations": skip, "max_iterations": steps}  # fmt: skip
 
 
-def profile_repeat(s: Resident, work: Sessions, vocab: int, conc: int, steps: int,
+def profile_repeat(s: Resident, work: Sessions, vocab: int, conc: int, steps: int, skip: int,
                    trace_dir: Path, timeout: float, wait_s: float = 300.0) -> dict:  # fmt: skip
-    """One more repeat (untimed, prompts of its own) with vLLM's profiler on for the first
-    ``steps`` engine steps of its timed turns (the new prompts' prefill first); where that GPU
-    time went (``trace.kernel_families``)."""
+    """One more repeat (untimed, prompts of its own) with vLLM's profiler on for ``steps`` engine
+    steps of its timed turns after the first ``skip`` (0: from the new prompts' prefill on);
+    where that GPU time went (``trace.kernel_families``)."""
     url, t0 = s.server.url, time.time()
 
     def start() -> None:
@@ -333,7 +334,7 @@ def profile_repeat(s: Resident, work: Sessions, vocab: int, conc: int, steps: in
             events, last = None, f"{path.name}: {type(exc).__name__}"
         if events:
             out = trace.kernel_families(events)
-            out.update(steps=steps, trace=path.name, errors=rec["errors"][:2])
+            out.update(steps=steps, skip_steps=skip, trace=path.name, errors=rec["errors"][:2])
             return out
         time.sleep(2.0)
     raise http.CompletionError(f"no profiler trace in {trace_dir} after {wait_s:.0f} s ({last})")
@@ -464,8 +465,8 @@ def profiled(s: Resident, work: Sessions, vocab: int, conc: int, args, run) -> d
     if not run.budget.fits(need):
         return {"status": run.budget.skipped("the profiled repeat", need)}
     try:
-        out = profile_repeat(s, work, vocab, conc, args.profile_steps, traces_dir(args),
-                             args.request_timeout)  # fmt: skip
+        out = profile_repeat(s, work, vocab, conc, args.profile_steps, args.profile_skip_steps,
+                             traces_dir(args), args.request_timeout)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - recorded beside the timed results
         return {"status": f"error: {type(exc).__name__}: {exc}"[:400]}
     run.say(f"{s.name} c{conc} profiled: {out['busy_ms']:.0f} ms busy in {args.profile_steps} "
@@ -491,20 +492,21 @@ def server_args(args, models, num_spec: int, max_len: int, at_once: int) -> list
     if args.recipe:
         out = [a for a in out if a != "--no-enable-prefix-caching"] + list(RECIPE_FLAGS)
     if args.profile_steps:
-        config = profiler_config(traces_dir(args), args.profile_steps, cuda=not args.smoke)
+        config = profiler_config(traces_dir(args), args.profile_steps, cuda=not args.smoke,
+                                 skip=args.profile_skip_steps)  # fmt: skip
         out += ["--profiler-config", json.dumps(config)]
     return out + list(args.server_arg)
 
 
 def profile_steps(text: str) -> int:
-    """``--profile-steps``: 0 (off) or a positive number of engine steps."""
+    """``--profile-steps``, ``--profile-skip-steps``: 0 (none) or a number of engine steps."""
     try:
         value = int(text)
     except ValueError:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(
-            f"expected 0 (off) or a number of engine steps, got {text!r}"
+            f"expected 0 (none) or a number of engine steps, got {text!r}"
         )
     return value
 
@@ -538,9 +540,12 @@ def add_server_arguments(p, kv_cache_gib: float) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--profile-steps", type=profile_steps, default=0, metavar="N",
                    help="after each concurrency's timed repeats, one more repeat per server with "
-                   "vLLM's profiler on for the first N engine steps of its turns (the new "
-                   "prompts' prefill first): GPU-busy and the GPU time by kernel family "
-                   "(default 0: off)")  # fmt: skip
+                   "vLLM's profiler on for N engine steps of its turns (the new prompts' prefill "
+                   "first): GPU-busy and the GPU time by kernel family (default 0: off)")  # fmt: skip
+    p.add_argument("--profile-skip-steps", type=profile_steps, default=0, metavar="M",
+                   help="with --profile-steps: start recording after the turns' first M engine "
+                   "steps (vLLM's delay_iterations), e.g. past the prefill to profile decoding "
+                   "(default 0)")  # fmt: skip
 
 
 def side_by_side(args, models, at_once: int) -> bool:
@@ -597,9 +602,10 @@ def _run_set(run, args, specs: list[ServerSpec], work: Sessions, vocab: int, rec
 
 PROFILE_NOTE = (
     "--profile-steps N: after the timed repeats, one more repeat per server (its own prompts) "
-    "with vLLM's torch profiler on for the first N engine steps of its timed turns, the new "
-    "prompts' prefill first (device activity only). GPU-busy: the union of kernel, copy and "
-    "memset intervals; span: first start to last end. A family is the summed time of kernels "
+    "with vLLM's torch profiler on for N engine steps of its timed turns (steps: which ones; "
+    "from 1 the new prompts' prefill comes first; --profile-skip-steps starts later), device "
+    "activity only. GPU-busy: the union of kernel, copy and memset intervals; span: first start "
+    "to last end; a step: over N. A family is the summed time of kernels "
     "whose name says so (MoE experts: moe / expert / topk; attention: flash / attn / "
     "reshape_and_cache; Mamba: ssd / chunk_* / selective / conv1d; other GEMMs: gemm / cutlass / "
     "nvjet / humming / marlin), share of the families' sum in brackets."
@@ -610,8 +616,8 @@ def profile_tables(servers: dict) -> list:
     """The table of every profiled repeat (``--profile-steps``), or none."""
     families = [f for f, _ in trace.KERNEL_FAMILIES] + [trace.REST]
     t = report.Table("Where a profiled turn's GPU time went", ["server", "conc", "steps",
-                     "GPU-busy ms", "span ms", *families, "top kernel", "status"],
-                     notes=[PROFILE_NOTE])  # fmt: skip
+                     "GPU-busy ms (a step)", "span ms (a step)", *families, "top kernel",
+                     "status"], notes=[PROFILE_NOTE])  # fmt: skip
     for name, entry in servers.items():
         for c in entry.get("concurrency") or []:
             prof = c.get("profile")
@@ -623,8 +629,10 @@ def profile_tables(servers: dict) -> list:
             ms = prof["families_ms"]
             total = sum(ms.values()) or 1.0
             top = (prof.get("top_kernels") or [["", 0, 0]])[0]
-            t.add(name, c["concurrency"], prof["steps"], report.fmt(prof["busy_ms"], "{:.1f}"),
-                  report.fmt(prof["span_ms"], "{:.1f}"),
+            n, skip = prof["steps"], prof.get("skip_steps", 0)
+            t.add(name, c["concurrency"], f"{skip + 1}-{skip + n}",
+                  f"{prof['busy_ms']:.1f} ({prof['busy_ms'] / n:.1f})",
+                  f"{prof['span_ms']:.1f} ({prof['span_ms'] / n:.1f})",
                   *[f"{ms.get(f, 0.0):.1f} ({100 * ms.get(f, 0.0) / total:.0f}%)" for f in families],
                   f"{top[0][:60]} ({top[1]:.1f} ms)", "ok")  # fmt: skip
     return [t] if t.rows else []

@@ -53,7 +53,7 @@ def serving_run(smoke_jobs, tmp_path_factory):
 def anchor_run(smoke_jobs, tmp_path_factory):
     base = tmp_path_factory.mktemp("anchor")
     return _smoke(smoke_jobs, base, "anchor", "--arms", "dflash5-plugin", "--input-len", "200",
-                  "--profile-steps", "2")  # fmt: skip
+                  "--profile-steps", "2", "--profile-skip-steps", "1")  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -202,27 +202,42 @@ def test_a_profiled_repeat_is_configured_and_reported():
     assert config["torch_profiler_activities"] == ["CUDA"] and config["max_iterations"] == 16
     assert config["ignore_frontend"] and not config["torch_profiler_with_stack"]
     assert served.profiler_config(Path("/t"), 2, cuda=False)["torch_profiler_activities"] == ["CPU"]
+    assert config["delay_iterations"] == 0
+    later = served.profiler_config(Path("/t"), 16, cuda=True, skip=40)
+    assert later["delay_iterations"] == 40 and later["max_iterations"] == 16
     families = {"MoE experts": 30.0, "attention": 10.0, "Mamba": 5.0, "other GEMMs": 5.0,
                 "rest": 0.0}  # fmt: skip
     ok = {"status": "ok", "steps": 16, "busy_ms": 52.5, "span_ms": 60.0,
           "families_ms": families, "top_kernels": [["marlin_moe_wna16::Marlin", 30.0, 832]]}  # fmt: skip
     servers = {"a": {"concurrency": [conc(20, [1.0], profile=ok)]},
                "b": {"concurrency": [conc(20, [1.0], profile={"status": "error: no trace"})]},
-               "c": {"concurrency": [conc(20, [1.0])]}}  # fmt: skip
+               "c": {"concurrency": [conc(20, [1.0])]},
+               "d": {"concurrency": [conc(20, [1.0], profile={**ok, "skip_steps": 40})]}}  # fmt: skip
     (table,) = served.profile_tables(servers)
-    assert [r[0] for r in table.rows] == ["a", "b"]  # an unprofiled server has no row
+    assert [r[0] for r in table.rows] == ["a", "b", "d"]  # an unprofiled server has no row
     row = dict(zip(table.columns, table.rows[0]))
-    assert row["GPU-busy ms"] == "52.5" and row["MoE experts"] == "30.0 (60%)"
+    assert row["steps"] == "1-16" and row["MoE experts"] == "30.0 (60%)"
+    assert row["GPU-busy ms (a step)"] == "52.5 (3.3)" and row["span ms (a step)"] == "60.0 (3.8)"
     assert row["top kernel"] == "marlin_moe_wna16::Marlin (30.0 ms)"
     assert table.rows[1][-1] == "error: no trace"
+    assert dict(zip(table.columns, table.rows[2]))["steps"] == "41-56"  # past the prefill
     assert served.profile_tables({"c": servers["c"]}) == []
 
 
+def test_vllm_takes_the_profiler_settings_a_server_is_given(tmp_path):
+    from vllm.config import ProfilerConfig
+
+    made = ProfilerConfig(**served.profiler_config(tmp_path, 16, cuda=False, skip=40))
+    assert (made.delay_iterations, made.max_iterations, made.profiler) == (40, 16, "torch")
+
+
 @pytest.mark.parametrize("text", ["-1", "two", "1.5"])
-def test_profile_steps_refuses_what_is_not_a_step_count(text, capsys):
+@pytest.mark.parametrize("option", ["--profile-steps", "--profile-skip-steps"])
+def test_profile_steps_refuses_what_is_not_a_step_count(option, text, capsys):
     parser = argparse.ArgumentParser()
     served.add_server_arguments(parser, kv_cache_gib=8.0)
-    assert parser.parse_args(["--profile-steps", "16"]).profile_steps == 16
+    args = parser.parse_args([option, "16"])
+    assert (args.profile_steps, args.profile_skip_steps) in ((16, 0), (0, 16))
     with pytest.raises(SystemExit):
-        parser.parse_args(["--profile-steps", text])
-    assert "expected 0 (off) or a number of engine steps" in capsys.readouterr().err
+        parser.parse_args([option, text])
+    assert "expected 0 (none) or a number of engine steps" in capsys.readouterr().err
