@@ -511,6 +511,13 @@ def profile_steps(text: str) -> int:
     return value
 
 
+def check_profile_options(args) -> None:
+    """Refuse ``--profile-skip-steps`` without ``--profile-steps``: nothing would be recorded."""
+    if args.profile_skip_steps and not args.profile_steps:
+        raise SystemExit(f"--profile-skip-steps {args.profile_skip_steps} needs --profile-steps N "
+                         "(the engine steps to record after the skipped ones)")  # fmt: skip
+
+
 def add_server_arguments(p, kv_cache_gib: float) -> None:
     """The options every served scenario has."""
     p.add_argument("--target", choices=("nvfp4", "bf16"), default="nvfp4",

@@ -74,6 +74,7 @@ def run(args) -> int:
 def run_served(name: str, title: str, args, work: served.Sessions, make_tables) -> int:
     """The served scenarios' run (this one and ``anchor``): build the models, start the rows'
     servers set by set, measure, report."""
+    served.check_profile_options(args)
     groups = arms.parse_arms(args.arms)
     run_ = Run(name, args)
     models = build_models(args.models_dir, args.target, args.smoke)

@@ -237,7 +237,17 @@ def test_profile_steps_refuses_what_is_not_a_step_count(option, text, capsys):
     parser = argparse.ArgumentParser()
     served.add_server_arguments(parser, kv_cache_gib=8.0)
     args = parser.parse_args([option, "16"])
-    assert (args.profile_steps, args.profile_skip_steps) in ((16, 0), (0, 16))
+    assert getattr(args, option[2:].replace("-", "_")) == 16
     with pytest.raises(SystemExit):
         parser.parse_args([option, text])
     assert "expected 0 (none) or a number of engine steps" in capsys.readouterr().err
+
+
+def test_skipping_steps_without_recording_any_is_refused():
+    parser = argparse.ArgumentParser()
+    served.add_server_arguments(parser, kv_cache_gib=8.0)
+    with pytest.raises(SystemExit, match="--profile-skip-steps 24 needs --profile-steps N"):
+        served.check_profile_options(parser.parse_args(["--profile-skip-steps", "24"]))
+    served.check_profile_options(parser.parse_args(["--profile-skip-steps", "24",
+                                                    "--profile-steps", "16"]))  # fmt: skip
+    served.check_profile_options(parser.parse_args(["--profile-steps", "16"]))
