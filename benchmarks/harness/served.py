@@ -337,7 +337,12 @@ def profile_repeat(s: Resident, work: Sessions, vocab: int, conc: int, steps: in
             out.update(steps=steps, skip_steps=skip, trace=path.name, errors=rec["errors"][:2])
             return out
         time.sleep(2.0)
-    raise http.CompletionError(f"no profiler trace in {trace_dir} after {wait_s:.0f} s ({last})")
+    hint = (
+        f"; the turns may end before step {skip + 1} (--profile-skip-steps {skip})" if skip else ""
+    )
+    raise http.CompletionError(
+        f"no profiler trace in {trace_dir} after {wait_s:.0f} s ({last}){hint}"
+    )
 
 
 def summary(reps: list[dict]) -> dict:

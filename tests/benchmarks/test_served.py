@@ -224,6 +224,19 @@ def test_a_profiled_repeat_is_configured_and_reported():
     assert served.profile_tables({"c": servers["c"]}) == []
 
 
+@pytest.mark.parametrize("skip", [0, 500])
+def test_a_profile_without_a_trace_is_an_error_naming_a_skip_the_turns_may_not_reach(
+    skip, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(served, "run_repeat", lambda *args, **kwargs: {"errors": []})
+    monkeypatch.setattr(served.http, "post_json", lambda *args, **kwargs: (200, {}))
+    server = served.Resident("a", {}, argparse.Namespace(url="http://127.0.0.1:9"), "m")
+    work = served.Sessions(0, 10, 5, 4, 1)
+    with pytest.raises(served.http.CompletionError, match="no profiler trace") as caught:
+        served.profile_repeat(server, work, 100, 2, 16, skip, tmp_path, 1.0, wait_s=0.0)
+    assert ("--profile-skip-steps 500" in str(caught.value)) == bool(skip)
+
+
 def test_vllm_takes_the_profiler_settings_a_server_is_given(tmp_path):
     from vllm.config import ProfilerConfig
 
