@@ -302,13 +302,16 @@ PROFILED_REPEAT = 1000  # the profiled repeat's prompts and seeds are its own
 
 def profiler_config(trace_dir: Path, steps: int, cuda: bool, skip: int = 0) -> dict:
     """vLLM's torch profiler for a served profile: device activity only (CPU ops without a GPU),
-    no stacks, no front-end trace, recording ``steps`` engine steps after the first ``skip``
-    (vLLM's ``delay_iterations``), then stopping itself."""
+    no stacks, no front-end trace, recording engine steps ``skip + 1`` to ``skip + steps``
+    after ``/start_profile``, then stopping itself."""
+    # vLLM starts a delayed profile at the top of step number delay_iterations, which it records:
+    # skipping `skip` steps takes a delay of skip + 1 (0 starts at once, with step 1).
+    delay = skip + 1 if skip else 0
     return {"profiler": "torch", "torch_profiler_dir": str(Path(trace_dir).resolve()),
             "torch_profiler_activities": ["CUDA"] if cuda else ["CPU"],
             "torch_profiler_with_stack": False, "torch_profiler_use_gzip": True,
             "torch_profiler_dump_cuda_time_total": False, "ignore_frontend": True,
-            "delay_iterations": skip, "max_iterations": steps}  # fmt: skip
+            "delay_iterations": delay, "max_iterations": steps}  # fmt: skip
 
 
 def profile_repeat(s: Resident, work: Sessions, vocab: int, conc: int, steps: int, skip: int,

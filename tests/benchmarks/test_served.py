@@ -204,7 +204,7 @@ def test_a_profiled_repeat_is_configured_and_reported():
     assert served.profiler_config(Path("/t"), 2, cuda=False)["torch_profiler_activities"] == ["CPU"]
     assert config["delay_iterations"] == 0
     later = served.profiler_config(Path("/t"), 16, cuda=True, skip=40)
-    assert later["delay_iterations"] == 40 and later["max_iterations"] == 16
+    assert later["delay_iterations"] == 41 and later["max_iterations"] == 16
     families = {"MoE experts": 30.0, "attention": 10.0, "Mamba": 5.0, "other GEMMs": 5.0,
                 "rest": 0.0}  # fmt: skip
     ok = {"status": "ok", "steps": 16, "busy_ms": 52.5, "span_ms": 60.0,
@@ -237,11 +237,28 @@ def test_a_profile_without_a_trace_is_an_error_naming_a_skip_the_turns_may_not_r
     assert ("--profile-skip-steps 500" in str(caught.value)) == bool(skip)
 
 
-def test_vllm_takes_the_profiler_settings_a_server_is_given(tmp_path):
+@pytest.mark.parametrize("skip, steps", [(0, 3), (1, 2), (5, 4)])
+def test_vllms_profiler_records_the_steps_after_the_skipped_ones(skip, steps, tmp_path):
+    """vLLM's own worker profiler, driven as its worker drives it (``step()`` at the top of each
+    engine step), with the settings a server is given: it records steps skip+1 .. skip+steps."""
     from vllm.config import ProfilerConfig
+    from vllm.profiler.wrapper import WorkerProfiler
 
-    made = ProfilerConfig(**served.profiler_config(tmp_path, 16, cuda=False, skip=40))
-    assert (made.delay_iterations, made.max_iterations, made.profiler) == (40, 16, "torch")
+    class Recorder(WorkerProfiler):
+        def _start(self):
+            pass
+
+        def _stop(self):
+            pass
+
+    config = ProfilerConfig(**served.profiler_config(tmp_path, steps, cuda=False, skip=skip))
+    profiler, recorded = Recorder(config), []
+    profiler.start()  # POST /start_profile
+    for step in range(1, skip + steps + 5):
+        profiler.step()
+        if profiler.is_running:
+            recorded.append(step)
+    assert recorded == list(range(skip + 1, skip + steps + 1))
 
 
 @pytest.mark.parametrize("text", ["-1", "two", "1.5"])
