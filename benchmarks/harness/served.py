@@ -423,7 +423,21 @@ def finish(s: Resident) -> None:
     """The server's backend and kernel lines from its log, after it stopped."""
     s.entry["log"] = environment.engine_log_lines(s.server.log())
     if s.entry["status"] == "running":
-        s.entry["status"] = "ok"
+        # a server that started but had no time left for any concurrency measured nothing
+        nothing = s.entry.get("skipped") and not s.entry.get("concurrency")
+        s.entry["status"] = "skipped: no concurrency fitted the time budget" if nothing else "ok"
+
+
+def status_rows(entry: dict) -> list[tuple]:
+    """(concurrency, status) for a server's table rows that carry no measurement: each
+    concurrency skipped for time, else the server's status if it measured nothing."""
+    rows = []
+    for line in entry.get("skipped") or []:  # "c{conc}: skipped: ..."
+        conc, _, why = line.partition(": ")
+        rows.append((int(conc[1:]), why))
+    if not rows and not entry.get("concurrency"):
+        rows.append(("", str(entry.get("status", ""))))
+    return rows
 
 
 def measure_set(live: list, work: Sessions, vocab: int, args, run, record) -> None:

@@ -93,9 +93,9 @@ def tables(result: dict, args, work: served.Sessions) -> list:
         published = NVIDIA.get(row.split("-")[0])
         nvidia = f"{published[0]} ({published[1]}, {published[2]})" if published else ""
         rows = entry.get("concurrency") or []
-        if not rows:
-            t.add(name, "", "", nvidia, "", "", "", "", "", "", "", "", "", "",
-                  entry.get("startup_s"), str(entry.get("status", ""))[:200])  # fmt: skip
+        for conc, status in served.status_rows(entry):
+            t.add(name, conc, "", nvidia, "", "", "", "", "", "", "", "", "", "",
+                  entry.get("startup_s"), status[:200])  # fmt: skip
         for c in rows:
             alone = serving.conc_row(serving.twin(servers, name, arms.alone_twin(row)),
                                      c["concurrency"])  # fmt: skip

@@ -179,9 +179,10 @@ def tables(result: dict, args, work: served.Sessions) -> list:
                      setup=setup_lines(result, args, work))  # fmt: skip
     for name, entry in servers.items():
         rows = entry.get("concurrency") or []
+        for conc, status in served.status_rows(entry):
+            t.add(name, conc, "", "", "", "", "", "", "", "", "", "", entry.get("startup_s"),
+                  status[:200])  # fmt: skip
         if not rows:
-            t.add(name, "", "", "", "", "", "", "", "", "", "", "", entry.get("startup_s"),
-                  str(entry.get("status", ""))[:200])  # fmt: skip
             continue
         row = entry.get("row", name.split("#")[0])
         for c in rows:

@@ -196,6 +196,41 @@ def test_anchor_workload_and_its_comparison_with_nvidias_figure():
     assert row["server queue / prefill / decode ms"] == "900 / 1500 / 5000"
 
 
+def test_a_server_with_no_time_left_for_a_concurrency_says_so_in_its_row():
+    class Stopped:
+        def log(self):
+            return ""
+
+    line = "c20: skipped: time budget (concurrency 20 needs ~47 s, 43 s of --budget-s 290 left)"
+    started = served.Resident("dspark7-plugin", {"row": "dspark7-plugin", "status": "running",
+                              "concurrency": [], "skipped": [line]}, Stopped())  # fmt: skip
+    served.finish(started)
+    assert started.entry["status"].startswith("skipped")  # not "ok": it measured nothing
+    servers = {
+        "dspark7-alone": {"row": "dspark7-alone", "status": "ok", "concurrency": [conc(4, [1.0])],
+                          "skipped": [line]},
+        "dspark7-plugin": started.entry,
+        "dflash5-plugin": {"row": "dflash5-plugin", "status": "error: did not start",
+                           "concurrency": []},
+    }  # fmt: skip
+    work = sessions(0, 2, 6554, 400, history=58982)
+    ns = argparse.Namespace(concurrency=[4, 20], repeats=1, warmup_repeats=0, instances=1,
+                            recipe=True)  # fmt: skip
+    result = {"servers": servers, "models": {"target_kind": "nvfp4"}}
+    for table, *_ in (anchor.tables(result, ns, work), serving.tables(result, ns, work)):
+        rows = [dict(zip(table.columns, r)) for r in table.rows]
+        cells = [(r["server"], r["conc"], r["status"]) for r in rows]
+        budget = line.partition(": ")[2]
+        assert ("dspark7-alone", "20", budget) in cells and (
+            "dspark7-plugin",
+            "20",
+            budget,
+        ) in cells
+        assert ("dspark7-alone", "4", "ok") in cells
+        assert ("dflash5-plugin", "", "error: did not start") in cells
+        assert len(rows) == 4
+
+
 def test_a_profiled_repeat_is_configured_and_reported():
     config = served.profiler_config(Path("rel/traces"), 16, cuda=True)
     assert config["torch_profiler_dir"] == str(Path("rel/traces").resolve())  # absolute for vLLM
