@@ -7,7 +7,7 @@ Recorded per run: lossless (greedy tokens equal to plain decoding AT THE SAME TP
 changes the order of the all-reduce's sums, so plain at TP=N may differ from TP=1, reported
 separately as ``plain_matches_tp1``); mean and per-position acceptance and the difference from
 TP=1's; for DSpark, which Markov walk each rank ran (the plugin's fused kernel or vLLM's loop and
-why); tokens/s. Exit 1 when a run fails or is not lossless. ``--smoke``: CPU, TP 1, fp32.
+why); tokens/s. Exit 1 when a run fails or is not lossless. ``--smoke``: CPU, TP 1, fp32, DSpark only.
 """
 
 from __future__ import annotations
@@ -34,7 +34,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="default 8, one of them long (smoke 2 short ones)",
     )
-    p.add_argument("--max-tokens", type=int, default=None, help="default 48 (smoke 12)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 48 (smoke 8)")
+    p.add_argument("--methods", type=methods, default=None,
+                   help="drafts run beside plain decoding, comma-separated (default dflash,dspark; "
+                        "smoke dspark: the engine tests cover DFlash's path on CPU)")  # fmt: skip
+
+
+METHODS = ("dflash", "dspark")
+
+
+def methods(text: str) -> list[str]:
+    """``--methods``: a comma-separated subset of dflash, dspark."""
+    out = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in out if m not in METHODS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated subset of {', '.join(METHODS)}, found {text!r}"
+        )
+    return list(dict.fromkeys(out))
 
 
 def _walk_choices(worker):
@@ -67,7 +84,9 @@ def run(args) -> int:
 
     family = ensure_tiny_family(seed=0)
     trained = ensure_trained_drafts(seed=0, family=family)
+    chosen = args.methods or (["dspark"] if args.smoke else list(METHODS))
     drafts = {"plain": None, "dflash": (trained.dflash, 4), "dspark": (trained.dspark, 3)}
+    drafts = {m: d for m, d in drafts.items() if m == "plain" or m in chosen}
     prompts = (sample_prompts() * num_prompts)[:num_prompts]
     if not args.smoke:
         prompts[-1] = " ".join(sample_prompts()) * 2  # one long prompt, past several KV blocks

@@ -4,6 +4,7 @@ family and tiny grids, every code path without a GPU, checked for what each must
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -72,8 +73,17 @@ def test_gpu_tolerance_arithmetic():
 def test_tp_scenario_is_lossless_on_cpu(tmp_path):
     assert cli.main(["tp", "--smoke", "--out", str(tmp_path)]) == 0
     runs = json.loads((tmp_path / "tp.json").read_text())["runs"]
-    assert [(r["tp"], r["method"]) for r in runs] == [(1, "plain"), (1, "dflash"), (1, "dspark")]
-    assert runs[1]["lossless"] and runs[2]["lossless"]
+    assert [(r["tp"], r["method"]) for r in runs] == [(1, "plain"), (1, "dspark")]
+    assert runs[1]["lossless"] and runs[1]["markov_walk"]
+
+
+def test_tp_methods_option():
+    from benchmarks.scenarios import tp
+
+    assert tp.methods("dspark, dflash,dspark") == ["dspark", "dflash"]
+    for bad in ("", "eagle", "dspark,mtp"):
+        with pytest.raises(argparse.ArgumentTypeError, match="subset of dflash, dspark"):
+            tp.methods(bad)
 
 
 @pytest.mark.engine

@@ -407,3 +407,40 @@ def test_unquantized_writer_has_no_quantization(tmp_path):
     assert set(back) == set(state)
     for k, v in state.items():
         torch.testing.assert_close(back[k], v.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_a_draft_trained_in_the_second_process_is_the_one_trained_in_process(tiny_family, tmp_path):
+    """The shifted draft trains in a spawned process beside the DFlash one: its written files
+    and stats must be what training it in this process gives."""
+    from vllm_nemotron_spec.tiny.drafts import DraftParams
+
+    _, dspec = ref.load_draft_module(tiny_family.dflash_draft)
+    data_params = td.DataParams(prompt_lengths=(16,), sequences_per_length=6, new_tokens=8)
+    data = td.generate_draft_data(
+        tiny_family.target, 0, data_params, td.aux_hidden_state_ids(dspec), progress=False
+    )
+    write_kwargs = dict(
+        params=DraftParams(**tiny_family.manifest()["params"]["draft"]),
+        target_layer_ids=list(dspec.target_layer_ids),
+        mask_token_id=dspec.mask_token_id,
+    )
+    params = td.TrainParams(
+        label_offset=1, steps=3, seqs_per_step=2, anchors_per_seq=2, warmup_steps=1,
+        eval_sequences=2,
+    )  # fmt: skip
+
+    def args(root):
+        root.mkdir()
+        return (root, tiny_family.target, tiny_family.dflash_draft, data, write_kwargs,
+                td.DFLASH_SHIFTED, params, 1, False)  # fmt: skip
+
+    here, _ = td._train_dflash_variant(*args(tmp_path / "here"))
+    with td._second_process() as pool:
+        there, _ = pool.submit(td._train_dflash_variant, *args(tmp_path / "there")).result()
+    here.pop("train_seconds"), there.pop("train_seconds")
+    assert here == there and here["first_loss"] != here["final_loss"]
+    files = sorted(p.name for p in (tmp_path / "here" / td.DFLASH_SHIFTED).iterdir())
+    assert any(f.endswith(".safetensors") for f in files)
+    for name in files:
+        a = (tmp_path / "here" / td.DFLASH_SHIFTED / name).read_bytes()
+        assert a == (tmp_path / "there" / td.DFLASH_SHIFTED / name).read_bytes(), name

@@ -3,7 +3,7 @@ sinks as vLLM's attention kernel applies them, the sequential Markov walk) and t
 DSpark draft with its wrong-anchor twin.
 
 The reference tests build tiny random drafts here; the trained-draft tests use the cached drafts of
-``ensure_trained_drafts`` (trained once, ~3-4 minutes on 2 cores, then reused)."""
+``ensure_trained_drafts`` (trained once, ~1.5 minutes on 2 cores, then reused)."""
 
 from __future__ import annotations
 

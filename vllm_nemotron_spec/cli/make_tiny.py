@@ -17,7 +17,7 @@ Build the tiny Nemotron-3.5-shaped model family into OUTDIR, locally and reprodu
 
 Each model directory also carries the tokenizer files, so each loads on its own. The draft
 weights are random (untrained: acceptance ~1). --trained also trains both drafts against the
-target (about 3-4 minutes on 2 cores, cached) into OUTDIR/../tiny-drafts-trained-seedN/{dflash,dspark},
+target (about 1.5 minutes on 2 cores, cached) into OUTDIR/../tiny-drafts-trained-seedN/{dflash,dspark},
 the drafts `demo` and `bench` use.
 
 The same seed gives byte-identical weights on the same machine type. An OUTDIR that already
