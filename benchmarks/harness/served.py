@@ -425,18 +425,24 @@ def finish(s: Resident) -> None:
     if s.entry["status"] == "running":
         # a server that started but had no time left for any concurrency measured nothing
         nothing = s.entry.get("skipped") and not s.entry.get("concurrency")
-        s.entry["status"] = "skipped: no concurrency fitted the time budget" if nothing else "ok"
+        s.entry["status"] = NOTHING_FITTED if nothing else "ok"
+
+
+NOTHING_FITTED = "skipped: no concurrency fitted the time budget"
 
 
 def status_rows(entry: dict) -> list[tuple]:
-    """(concurrency, status) for a server's table rows that carry no measurement: each
-    concurrency skipped for time, else the server's status if it measured nothing."""
+    """(concurrency, status) for a server's table rows that carry no measurement: its status
+    when it measured nothing (unless each concurrency's row says why), then each concurrency
+    skipped for time."""
+    status = str(entry.get("status", ""))
+    skipped = entry.get("skipped") or []
     rows = []
-    for line in entry.get("skipped") or []:  # "c{conc}: skipped: ..."
+    if not entry.get("concurrency") and not (skipped and status == NOTHING_FITTED):
+        rows.append(("", status))
+    for line in skipped:  # "c{conc}: skipped: ..."
         conc, _, why = line.partition(": ")
         rows.append((int(conc[1:]), why))
-    if not rows and not entry.get("concurrency"):
-        rows.append(("", str(entry.get("status", ""))))
     return rows
 
 

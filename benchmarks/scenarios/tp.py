@@ -7,7 +7,8 @@ Recorded per run: lossless (greedy tokens equal to plain decoding AT THE SAME TP
 changes the order of the all-reduce's sums, so plain at TP=N may differ from TP=1, reported
 separately as ``plain_matches_tp1``); mean and per-position acceptance and the difference from
 TP=1's; for DSpark, which Markov walk each rank ran (the plugin's fused kernel or vLLM's loop and
-why); tokens/s. Exit 1 when a run fails or is not lossless. ``--smoke``: CPU, TP 1, fp32, DSpark only.
+why); tokens/s. Exit 1 when a run fails or is not lossless. ``--smoke``: CPU, TP 1, fp32, plain
+and DSpark.
 """
 
 from __future__ import annotations

@@ -212,6 +212,8 @@ def test_a_server_with_no_time_left_for_a_concurrency_says_so_in_its_row():
         "dspark7-plugin": started.entry,
         "dflash5-plugin": {"row": "dflash5-plugin", "status": "error: did not start",
                            "concurrency": []},
+        "dflash5-alone": {"row": "dflash5-alone", "status": "error: died in c4",
+                          "concurrency": [], "skipped": [line]},
     }  # fmt: skip
     work = sessions(0, 2, 6554, 400, history=58982)
     ns = argparse.Namespace(concurrency=[4, 20], repeats=1, warmup_repeats=0, instances=1,
@@ -228,7 +230,9 @@ def test_a_server_with_no_time_left_for_a_concurrency_says_so_in_its_row():
         ) in cells
         assert ("dspark7-alone", "4", "ok") in cells
         assert ("dflash5-plugin", "", "error: did not start") in cells
-        assert len(rows) == 4
+        assert ("dflash5-alone", "", "error: died in c4") in cells  # not hidden by the skip
+        assert ("dflash5-alone", "20", budget) in cells
+        assert len(rows) == 6
 
 
 def test_a_profiled_repeat_is_configured_and_reported():
