@@ -419,6 +419,9 @@ def fail(s: Resident, exc: BaseException) -> None:
     s.server.stop()
 
 
+NOTHING_FITTED = "skipped: no concurrency fitted the time budget"
+
+
 def finish(s: Resident) -> None:
     """The server's backend and kernel lines from its log, after it stopped."""
     s.entry["log"] = environment.engine_log_lines(s.server.log())
@@ -426,9 +429,6 @@ def finish(s: Resident) -> None:
         # a server that started but had no time left for any concurrency measured nothing
         nothing = s.entry.get("skipped") and not s.entry.get("concurrency")
         s.entry["status"] = NOTHING_FITTED if nothing else "ok"
-
-
-NOTHING_FITTED = "skipped: no concurrency fitted the time budget"
 
 
 def status_rows(entry: dict) -> list[tuple]:
