@@ -789,6 +789,15 @@ def _second_process():
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _run_stats(result: TrainResult) -> dict:
+    """A training run's time and its first and final loss (the mean of the last 10 steps)."""
+    return {
+        "train_seconds": round(result.seconds, 1),
+        "first_loss": round(result.losses[0], 4),
+        "final_loss": round(sum(result.losses[-10:]) / len(result.losses[-10:]), 4),
+    }
+
+
 def _train_dflash_variant(
     root: Path,
     target: Path,
@@ -818,9 +827,7 @@ def _train_dflash_variant(
             root / DFLASH_UNQUANTIZED, DFLASH, result.state_dict, target, **write_kwargs
         )
     stats = {
-        "train_seconds": round(result.seconds, 1),
-        "first_loss": round(result.losses[0], 4),
-        "final_loss": round(sum(result.losses[-10:]) / len(result.losses[-10:]), 4),
+        **_run_stats(result),
         "offline_fp32": result.eval,
     }
     expected_config = json.loads((init_draft / "config.json").read_text())
@@ -874,9 +881,7 @@ def _train_dspark_into(
         raise AssertionError(f"{path}/config.json differs from the family's DSpark draft")
     wrong = write_wrong_anchor_twin(path, root / DSPARK_WRONG_ANCHOR)
     stats = {
-        "train_seconds": round(result.seconds, 1),
-        "first_loss": round(result.losses[0], 4),
-        "final_loss": round(sum(result.losses[-10:]) / len(result.losses[-10:]), 4),
+        **_run_stats(result),
         "tensors_from_dflash": len(copied),  # the backbone; sinks and Markov head from the family
         "offline_fp32": result.eval,
     }
