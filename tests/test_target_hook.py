@@ -155,3 +155,70 @@ def test_a_routed_draft_on_cpu_refuses_replayssm_at_start_up(tiny_family):
             enable_prefix_caching=False,
             use_replayssm=True,
         )
+
+
+def _fake_flashinfer(root, guarded: bool):
+    """A FlashInfer package directory with the multi-token state-update header, its SM100 guard
+    present or not."""
+    header = root / target_hook.FLASHINFER_MTP_HEADER
+    header.parent.mkdir(parents=True)
+    guard = target_hook.FLASHINFER_MTP_SM100_GUARD if guarded else "MTP algorithm"
+    header.write_text(f'#else\n  FLASHINFER_CHECK(false, "vertical/horizontal {guard}");\n#endif\n')
+    return root
+
+
+def test_flashinfer_guard_is_read_from_the_installed_header(tmp_path):
+    assert target_hook.flashinfer_mtp_algorithms_need_sm100(_fake_flashinfer(tmp_path / "a", True))
+    assert not target_hook.flashinfer_mtp_algorithms_need_sm100(
+        _fake_flashinfer(tmp_path / "b", False)
+    )
+    assert target_hook.flashinfer_mtp_algorithms_need_sm100(tmp_path / "none") is None
+
+
+def test_mamba_ssu_problem_only_for_sm100_algorithms_below_sm100_with_flashinfers_guard():
+    problem = target_hook.mamba_ssu_problem
+    text = problem((9, 0), "FLASHINFER", "horizontal", 7, True)
+    assert "--mamba-ssu-algorithm horizontal" in text
+    assert "SM90" in text and "over 8 tokens" in text and "SM100+" in text
+    assert "vertical" in problem((9, 0), "FLASHINFER", "vertical", 3, True)
+    for capability, backend, algorithm, guard in [
+        ((10, 0), "FLASHINFER", "horizontal", True),  # Blackwell has them
+        ((12, 0), "FLASHINFER", "vertical", True),
+        ((9, 0), "FLASHINFER", "simple", True),
+        ((9, 0), "FLASHINFER", "auto", True),
+        ((9, 0), "FLASHINFER", None, True),
+        ((9, 0), "TRITON", "horizontal", True),  # vLLM refuses this pairing itself
+        ((9, 0), "FLASHINFER", "horizontal", False),  # a FlashInfer without the guard
+        ((9, 0), "FLASHINFER", "horizontal", None),  # no FlashInfer: vLLM says so
+        (None, "FLASHINFER", "horizontal", True),  # not CUDA
+    ]:
+        assert problem(capability, backend, algorithm, 7, guard) is None, (capability, algorithm)
+
+
+def test_a_routed_draft_refuses_an_sm100_only_mamba_algorithm_on_hopper(
+    tiny_family, tmp_path, monkeypatch
+):
+    """The recipe's Hopper flag --mamba-ssu-algorithm horizontal cannot run a verify step on SM90
+    (FlashInfer 0.7 builds those multi-token kernels for SM100 only; seen failing inside
+    FlashInfer after the model loaded on an H100): a routed draft refuses it at start-up, naming
+    the option. Simulated SM90 / SM100 devices (the config is built on CPU)."""
+    import pytest
+
+    from vllm_nemotron_spec import attention
+    from vllm_nemotron_spec.tiny.train_draft import ensure_trained_drafts
+
+    guarded = _fake_flashinfer(tmp_path / "flashinfer", True)
+    real = target_hook.flashinfer_mtp_algorithms_need_sm100
+    monkeypatch.setattr(target_hook, "flashinfer_mtp_algorithms_need_sm100", lambda: real(guarded))
+    draft = ensure_trained_drafts(family=tiny_family).dspark
+    spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 3}
+    flags = dict(mamba_backend="flashinfer", mamba_ssu_algorithm="horizontal")
+    monkeypatch.setattr(attention, "_cuda_capability", lambda: (9, 0))
+    with pytest.raises(Exception, match=r"--mamba-ssu-algorithm horizontal with speculative"):
+        _engine_config(tiny_family.target, speculative_config=spec, **flags)
+    # The same launch without speculative decoding, or on a Blackwell device, keeps vLLM's path.
+    config = _engine_config(tiny_family.target, **flags)
+    assert config.mamba_config.ssu_algorithm == "horizontal"
+    monkeypatch.setattr(attention, "_cuda_capability", lambda: (10, 0))
+    config = _engine_config(tiny_family.target, speculative_config=spec, **flags)
+    assert config.mamba_config.ssu_algorithm == "horizontal"

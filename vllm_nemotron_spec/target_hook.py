@@ -4,12 +4,15 @@ vLLM runs it once from ``VllmConfig.__post_init__`` (chained after vLLM's own Ne
 ``patches/nemotron_h_config_hook.py``), before any scheduler or worker reads the config. It checks
 a Nemotron 3.5 draft as a whole (``checkpoint.check``, whose problems ``inspect`` reports too) and
 routes it to the plugin's draft classes; refuses features whose exactness needs a patch that is
-not installed; and chooses the attention backends. Other drafts and other target architectures
+not installed, and a Mamba state-update algorithm FlashInfer cannot run for a verify step on this
+GPU; and chooses the attention backends. Other drafts and other target architectures
 keep vLLM's path.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 LOGGER_NAME = "vllm.nemotron_spec.target"
@@ -238,6 +241,75 @@ def require_registrations(spec_config: Any, draft_cfg: dict) -> None:
     require_registered(f"the Nemotron 3.5 {spec_config.method} draft", *concerns)
 
 
+# FlashInfer's multi-token state update (what every speculative verify step runs) and the text of
+# its guard that refuses the vertical / horizontal algorithms below SM100 (flashinfer-python 0.7:
+# the SM90 JIT module is built without FLASHINFER_MAMBA_ENABLE_SM100).
+FLASHINFER_MTP_HEADER = "data/include/flashinfer/mamba/invoke_selective_state_update_mtp.cuh"
+FLASHINFER_MTP_SM100_GUARD = "MTP algorithm requires SM100"
+_SM100_ONLY_SSU_ALGORITHMS = ("vertical", "horizontal")
+
+
+def flashinfer_mtp_algorithms_need_sm100(package_dir: Path | None = None) -> bool | None:
+    """Whether the installed FlashInfer refuses the vertical / horizontal multi-token state
+    update below SM100, read from the kernel source it ships for its JIT builds; None when
+    FlashInfer is not installed or ships no such header (then FlashInfer decides on its own)."""
+    if package_dir is None:
+        found = importlib.util.find_spec("flashinfer")  # finds the package without importing it
+        if found is None or not found.submodule_search_locations:
+            return None
+        package_dir = Path(list(found.submodule_search_locations)[0])
+    header = package_dir / FLASHINFER_MTP_HEADER
+    if not header.is_file():
+        return None
+    return FLASHINFER_MTP_SM100_GUARD in header.read_text(errors="replace")
+
+
+def mamba_ssu_problem(
+    capability: tuple[int, int] | None,
+    backend: str | None,
+    algorithm: str | None,
+    num_speculative_tokens: int,
+    mtp_needs_sm100: bool | None,
+) -> str | None:
+    """Why this Mamba state-update choice cannot serve speculative decoding here, or None.
+
+    A verify step updates the state over 1 + k tokens: FlashInfer's multi-token path, whose
+    vertical and horizontal algorithms exist only in its SM100 builds. On Hopper the engine
+    would fail at start-up, after the model loads, inside FlashInfer."""
+    if backend != "FLASHINFER" or algorithm not in _SM100_ONLY_SSU_ALGORITHMS:
+        return None
+    if capability is None or capability[0] >= 10 or not mtp_needs_sm100:
+        return None
+    return (
+        f"--mamba-ssu-algorithm {algorithm} with speculative decoding on SM"
+        f"{capability[0]}{capability[1]}: every verify step updates the Mamba state over "
+        f"{1 + num_speculative_tokens} tokens, and the installed FlashInfer has the vertical "
+        "and horizontal multi-token algorithms only for SM100+ (Blackwell). Leave "
+        "--mamba-ssu-algorithm out (FlashInfer picks its 'simple' kernel), or keep vLLM's "
+        "default --mamba-backend triton (as fast or faster on an H100: docs/serving.md)"
+    )
+
+
+def refuse_unservable_mamba_ssu(vllm_config: Any) -> None:
+    """A routed draft refuses, at start-up, a Mamba state-update algorithm that FlashInfer
+    cannot run for speculative decoding on this GPU (:func:`mamba_ssu_problem`)."""
+    from vllm_nemotron_spec.attention import _cuda_capability, _enum_name
+
+    mamba = getattr(vllm_config, "mamba_config", None)
+    algorithm = getattr(mamba, "ssu_algorithm", None)
+    if algorithm not in _SM100_ONLY_SSU_ALGORITHMS:
+        return
+    problem = mamba_ssu_problem(
+        _cuda_capability(),
+        _enum_name(getattr(mamba, "backend", None)),
+        algorithm,
+        vllm_config.speculative_config.num_speculative_tokens,
+        flashinfer_mtp_algorithms_need_sm100(),
+    )
+    if problem is not None:
+        raise ValueError(f"nemotron-spec: {problem}")
+
+
 def prepare_nemotron_h_config(vllm_config: Any) -> None:
     """Everything the plugin sets on a NemotronH target's VllmConfig (see the module docstring):
     only a launch that routes a Nemotron 3.5 draft gets checks, refusals and attention pins."""
@@ -248,4 +320,5 @@ def prepare_nemotron_h_config(vllm_config: Any) -> None:
     routed = check_and_route_nemotron35_draft(vllm_config) is not None
     require_patches(vllm_config, routed)
     if routed:
+        refuse_unservable_mamba_ssu(vllm_config)
         apply_attention_choice(vllm_config)

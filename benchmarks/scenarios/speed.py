@@ -590,7 +590,9 @@ def setup_lines(result: dict, args) -> dict:
         "target": target.get(result["models"]["target_kind"], result["models"]["target_kind"]),
         "engine": f"offline, CUDA graphs, async scheduling (vLLM defaults); MoE backend "
         f"{args.moe_backend}; KV cache {args.kv_cache_dtype}; prefix caching "
-        f"{'on (align)' if args.prefix_caching else 'off'}",
+        f"{'on (align)' if args.prefix_caching else 'off'}"
+        + "".join(f"; {item}" for item in args.engine_arg)
+        + "".join(f"; speculative {item}" for item in args.spec_arg),
         "windows": f"{args.input_len}-token prompts; {args.repeats} wall windows of {args.steps} "
         f"steps; profiled windows of {args.profile_steps} steps; {args.warmup_steps} decode "
         "steps before each",

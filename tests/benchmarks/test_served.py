@@ -156,7 +156,7 @@ def test_serving_pairs_each_plugin_server_with_the_same_instances_vllm_alone():
         "dspark3-plugin#2": {"row": "dspark3-plugin", "status": "ok", "concurrency": [conc(1, [60, 55])]},
     }  # fmt: skip
     args = argparse.Namespace(
-        concurrency=[1], repeats=2, warmup_repeats=0, instances=2, recipe=True
+        concurrency=[1], repeats=2, warmup_repeats=0, instances=2, recipe=True, server_arg=[]
     )
     result = {"servers": servers, "models": {"target_kind": "nvfp4"}}
     (table,) = serving.tables(result, args, sessions(8192, 3, 256, 128))
@@ -188,7 +188,8 @@ def test_anchor_workload_and_its_comparison_with_nvidias_figure():
     servers = {"dspark7-plugin": {"row": "dspark7-plugin", "status": "ok",
                                   "concurrency": [conc(20, [2194.0 * 0.9], **split,
                                                        repeats_detail=detail)]}}  # fmt: skip
-    ns = argparse.Namespace(concurrency=[20], repeats=1, warmup_repeats=0, instances=1, recipe=True)
+    ns = argparse.Namespace(concurrency=[20], repeats=1, warmup_repeats=0, instances=1, recipe=True,
+                            server_arg=[])  # fmt: skip
     (table,) = anchor.tables({"servers": servers, "models": {"target_kind": "nvfp4"}}, ns, work)
     row = dict(zip(table.columns, table.rows[0]))
     assert row["NVIDIA (conc, acceptance)"] == "2194 (20, 3.69)" and row["x NVIDIA"] == "0.90"
@@ -217,7 +218,7 @@ def test_a_server_with_no_time_left_for_a_concurrency_says_so_in_its_row():
     }  # fmt: skip
     work = sessions(0, 2, 6554, 400, history=58982)
     ns = argparse.Namespace(concurrency=[4, 20], repeats=1, warmup_repeats=0, instances=1,
-                            recipe=True)  # fmt: skip
+                            recipe=True, server_arg=[])  # fmt: skip
     result = {"servers": servers, "models": {"target_kind": "nvfp4"}}
     for table, *_ in (anchor.tables(result, ns, work), serving.tables(result, ns, work)):
         rows = [dict(zip(table.columns, r)) for r in table.rows]
@@ -317,3 +318,16 @@ def test_skipping_steps_without_recording_any_is_refused():
     served.check_profile_options(parser.parse_args(["--profile-skip-steps", "24",
                                                     "--profile-steps", "16"]))  # fmt: skip
     served.check_profile_options(parser.parse_args(["--profile-steps", "16"]))
+
+
+def test_the_flags_line_names_every_extra_server_argument():
+    """A report's reader sees the server arguments the rows were measured with, the extra ones
+    (--server-arg) included: two runs that differ only there must not read alike."""
+    work = sessions(0, 2, 6554, 400, history=58982)
+    result = {"models": {"target_kind": "nvfp4"}, "setup": {}}
+    ns = argparse.Namespace(concurrency=[20], repeats=1, warmup_repeats=0, instances=1,
+                            recipe=True, server_arg=["--max-num-batched-tokens=8832"])  # fmt: skip
+    flags = serving.setup_lines(result, ns, work)["flags"]
+    assert flags == " ".join([*served.RECIPE_FLAGS, "--max-num-batched-tokens=8832"])
+    ns.recipe, ns.server_arg = False, []
+    assert serving.setup_lines(result, ns, work)["flags"] == "engine defaults"

@@ -352,3 +352,17 @@ def test_the_report_names_the_markov_walk_each_plugin_engine_logged(monkeypatch)
     assert speed.markov_walk_line({"arms": {"plain": arm()}}) == (
         "default; no engine logged its walk"
     )
+
+
+def test_the_engine_line_names_the_extra_engine_and_speculative_arguments():
+    result = {"models": {"target_kind": "nvfp4"}, "setup": {}}
+    plain = speed.setup_lines(result, args())["engine"]
+    extra = speed.setup_lines(
+        result,
+        args(
+            engine_arg=['mamba_backend="flashinfer"'], spec_arg=['attention_backend="TRITON_ATTN"']
+        ),
+    )["engine"]
+    assert extra == (
+        plain + '; mamba_backend="flashinfer"; speculative attention_backend="TRITON_ATTN"'
+    )
