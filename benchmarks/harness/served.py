@@ -422,6 +422,18 @@ def fail(s: Resident, exc: BaseException) -> None:
 NOTHING_FITTED = "skipped: no concurrency fitted the time budget"
 
 
+def skipped_line(conc: int, why: str) -> str:
+    """The line a server's ``skipped`` list keeps for a concurrency left out for time (results
+    JSON; :func:`parse_skipped_line` reads it back)."""
+    return f"c{conc}: {why}"
+
+
+def parse_skipped_line(line: str) -> tuple[int, str]:
+    """(concurrency, why) of a :func:`skipped_line`."""
+    conc, _, why = line.partition(": ")
+    return int(conc[1:]), why
+
+
 def finish(s: Resident) -> None:
     """The server's backend and kernel lines from its log, after it stopped."""
     s.entry["log"] = environment.engine_log_lines(s.server.log())
@@ -440,9 +452,7 @@ def status_rows(entry: dict) -> list[tuple]:
     rows = []
     if not entry.get("concurrency") and not (skipped and status == NOTHING_FITTED):
         rows.append(("", status))
-    for line in skipped:  # "c{conc}: skipped: ..."
-        conc, _, why = line.partition(": ")
-        rows.append((int(conc[1:]), why))
+    rows += [parse_skipped_line(line) for line in skipped]
     return rows
 
 
@@ -461,7 +471,7 @@ def measure_set(live: list, work: Sessions, vocab: int, args, run, record) -> No
         if not run.budget.fits(need):
             for s in live:
                 s.entry.setdefault("skipped", []).append(
-                    f"c{conc}: " + run.budget.skipped(f"concurrency {conc}", need)
+                    skipped_line(conc, run.budget.skipped(f"concurrency {conc}", need))
                 )
                 record(s)
             continue

@@ -203,6 +203,9 @@ def test_a_server_with_no_time_left_for_a_concurrency_says_so_in_its_row():
             return ""
 
     line = "c20: skipped: time budget (concurrency 20 needs ~47 s, 43 s of --budget-s 290 left)"
+    why = line.partition(": ")[2]
+    assert served.skipped_line(20, why) == line  # the format earlier results JSON keeps
+    assert served.parse_skipped_line(line) == (20, why)
     started = served.Resident("dspark7-plugin", {"row": "dspark7-plugin", "status": "running",
                               "concurrency": [], "skipped": [line]}, Stopped())  # fmt: skip
     served.finish(started)
