@@ -11,7 +11,8 @@ what a device copy reaches on an H200, ~90% of its 4.8 TB/s; 3.0 TB/s on an H100
   distinct experts is ``E x (1 - (1 - K/E)^T)``; plus the shared expert and the router. Per Mamba
   block its projections, and per request its SSM state: read once and written once for each of
   the ``k + 1`` verified positions (vLLM keeps one state per position to roll back to the accepted
-  one) plus the convolution window. Per attention block its projections and the requests' KV
+  one; with vLLM's ReplaySSM, ``--use-replayssm``, read once only: the kernel keeps the recent
+  tokens' inputs instead and writes the state back every few steps) plus the convolution window. Per attention block its projections and the requests' KV
   cache up to ``context`` tokens. The lm_head reads its whole ``vocab x hidden`` weight.
 * ``draft`` (DFlash / DSpark): every draft layer's weights, ``fc``, the target's lm_head (the
   draft's logits go through it), the draft's KV cache (DSpark: within its sliding window) and,
@@ -118,11 +119,17 @@ def distinct_experts(experts: int, top_k: int, tokens: int) -> float:
 
 
 def target_bytes(
-    t: TargetShape, batch: int, num_spec: int, context: int, kv_bytes: float
+    t: TargetShape,
+    batch: int,
+    num_spec: int,
+    context: int,
+    kv_bytes: float,
+    replay_ssm: bool = False,
 ) -> dict[str, float]:
     """Bytes the target's forward and lm_head read in one step, by component (see the module
     doc). ``context``: tokens each request holds in the KV cache; ``kv_bytes``: bytes a KV value
-    takes (1 for an fp8 cache)."""
+    takes (1 for an fp8 cache); ``replay_ssm``: the engine runs vLLM's ReplaySSM (the SSM state
+    read once a step, its write-back every few steps left out)."""
     tokens = batch * (num_spec + 1)
     h = t.hidden
     w_exp, w_mamba = DTYPE_BYTES[t.experts_dtype], DTYPE_BYTES[t.mamba_proj_dtype]
@@ -138,7 +145,8 @@ def target_bytes(
     out_proj = d_inner * h
     state = t.mamba_heads * t.mamba_head_dim * t.ssm_state * DTYPE_BYTES[t.ssm_state_dtype]
     conv_state = conv_dim * (t.conv_kernel - 1 + num_spec) * DTYPE_BYTES[t.conv_state_dtype]
-    per_request_state = state * (1 + (num_spec + 1)) + 2 * conv_state
+    state_passes = 1 if replay_ssm else 1 + (num_spec + 1)
+    per_request_state = state * state_passes + 2 * conv_state
     qkv = h * (t.attn_heads + 2 * t.kv_heads) * t.head_dim
     o = t.attn_heads * t.head_dim * h
     kv = context * 2 * t.kv_heads * t.head_dim * kv_bytes
@@ -197,12 +205,14 @@ def step_floors(
     kv_bytes: float = 1.0,
     bandwidth_tbs: float = H200_BANDWIDTH_TBS,
     drafted: int | None = None,
+    replay_ssm: bool = False,
 ) -> dict:
     """Per part: the bytes by component, their total and the floor in ms; and the step's sum.
     ``num_spec`` drafts are verified; ``drafted`` (default ``num_spec``) are proposed: under a
-    per-batch-size schedule vLLM drafts the whole block whatever k it verifies."""
+    per-batch-size schedule vLLM drafts the whole block whatever k it verifies. ``replay_ssm``:
+    see :func:`target_bytes`."""
     parts = {
-        "target": target_bytes(target, batch, num_spec, context, kv_bytes),
+        "target": target_bytes(target, batch, num_spec, context, kv_bytes, replay_ssm),
         "sampling": sampling_bytes(target.vocab, batch, num_spec),
     }
     if draft is not None and num_spec > 0:

@@ -392,8 +392,9 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
     # under a schedule vLLM drafts the whole block; the plugin's DSpark drafts the step's k
     only_k = method == "dspark" and lane_of(name) == "plugin"
     drafted = k if only_k else spec.get("num_spec") or k
+    replay_ssm = bool(spec.get("engine", {}).get("use_replayssm"))
     return floors.step_floors(target, draft, conc, k, context, kv_bytes, args.bandwidth_tbs,
-                              drafted=drafted)  # fmt: skip
+                              drafted=drafted, replay_ssm=replay_ssm)  # fmt: skip
 
 
 COLUMNS = [

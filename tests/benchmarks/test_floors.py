@@ -54,6 +54,21 @@ def test_speculation_multiplies_tokens_and_state_writes():
     assert one["mamba_state"] == 2 * (256 * (1 + 4) + 2 * conv_state)
 
 
+def test_replay_ssm_reads_the_state_once_whatever_k():
+    """vLLM's ReplaySSM stores no per-position states: only the state's one read counts, the
+    convolution window as before, everything else unchanged."""
+    conv_state = 24 * (3 + 3) * 2
+    plain = floors.target_bytes(SMALL, batch=2, num_spec=3, context=10, kv_bytes=1.0)
+    replay = floors.target_bytes(SMALL, 2, 3, 10, 1.0, replay_ssm=True)
+    assert replay["mamba_state"] == 2 * (256 + 2 * conv_state)
+    assert {k: v for k, v in replay.items() if k != "mamba_state"} == {
+        k: v for k, v in plain.items() if k != "mamba_state"
+    }
+    steps = [floors.step_floors(SMALL, None, 2, 3, 10, replay_ssm=r) for r in (False, True)]
+    saved = steps[0]["target"]["total_bytes"] - steps[1]["target"]["total_bytes"]
+    assert saved == 2 * 256 * 4  # the k + 1 = 4 per-position writes of two requests
+
+
 def test_bf16_target_reads_two_bytes_per_value():
     bf16 = floors.TargetShape(**{**SMALL.__dict__, "experts_dtype": "bfloat16",
                                  "mamba_proj_dtype": "bfloat16"})  # fmt: skip

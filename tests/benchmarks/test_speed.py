@@ -366,3 +366,16 @@ def test_the_engine_line_names_the_extra_engine_and_speculative_arguments():
     assert extra == (
         plain + '; mamba_backend="flashinfer"; speculative attention_backend="TRITON_ATTN"'
     )
+
+
+def test_an_arm_run_with_replayssm_is_floored_with_one_state_read(configs):
+    """``--engine-arg use_replayssm=true`` (recorded in the arm's engine kwargs): the target's
+    Mamba state floor is one read a request, not a read and k + 1 writes; the rest unchanged."""
+    a = args(concurrency=[16])
+    default = entry([100] * 3, [10.0] * 3, num_spec=3, conc=16)
+    replay = entry([100] * 3, [10.0] * 3, num_spec=3, conc=16)
+    replay["fingerprint"]["spec"]["engine"] = {"use_replayssm": True}
+    got = [speed.floors_for("dspark3-plugin", e, 16, *configs, True, a) for e in (default, replay)]
+    state = [g["target"]["bytes"]["mamba_state"] for g in got]
+    assert state[1] < state[0] / 3  # a read and k + 1 = 4 writes of the state become one read
+    assert got[0]["draft"] == got[1]["draft"] and got[0]["sampling"] == got[1]["sampling"]
