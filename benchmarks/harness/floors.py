@@ -12,8 +12,9 @@ what a device copy reaches on an H200, ~90% of its 4.8 TB/s; 3.0 TB/s on an H100
   block its projections, and per request its SSM state: read once and written once for each of
   the ``k + 1`` verified positions (vLLM keeps one state per position to roll back to the accepted
   one; with vLLM's ReplaySSM, ``--use-replayssm``, read once only: the kernel keeps the recent
-  tokens' inputs instead and writes the state back every few steps) plus the convolution window. Per attention block its projections and the requests' KV
-  cache up to ``context`` tokens. The lm_head reads its whole ``vocab x hidden`` weight.
+  tokens' inputs instead and writes the state back every few steps) plus the convolution window.
+  Per attention block its projections and the requests' KV cache up to ``context`` tokens. The
+  lm_head reads its whole ``vocab x hidden`` weight.
 * ``draft`` (DFlash / DSpark): every draft layer's weights, ``fc``, the target's lm_head (the
   draft's logits go through it), the draft's KV cache (DSpark: within its sliding window) and,
   for DSpark, ``markov_w2`` once per drafted token (the walk is sequential).
