@@ -2,7 +2,9 @@
 count (``dspark3``, ``dspark7`` and ``dflash5`` are NVIDIA's operating points; any
 ``dspark<k>`` / ``dflash<k>``), vLLM alone (``-alone``: ``VLLM_PLUGINS=""``) and the plugin
 (``-plugin``), with synthetic acceptance at NVIDIA's rates; and ``tuned``: the plugin serving the
-per-batch-size schedule ``tune`` wrote (``<draft><block>-tuned``, e.g. ``dspark7-tuned``)."""
+per-batch-size schedule ``tune`` wrote (``<draft><block>-tuned``, e.g. ``dspark7-tuned``). A run
+with a variant (the speed scenario's ``--variant-*`` options) measures each arm ``A`` beside
+``A+variant``, the same arm with the variant's engine settings."""
 
 from __future__ import annotations
 
@@ -68,14 +70,38 @@ def read_schedule(path: str) -> TunedSchedule:
     return TunedSchedule(method, block, ranges)
 
 
+VARIANT = "+variant"
+"""The suffix of an arm run with the variant's settings (``dspark3-plugin+variant``)."""
+
+
+def base_of(name: str) -> str:
+    """The arm a variant arm varies (``dspark3-plugin+variant`` -> ``dspark3-plugin``); any other
+    name itself."""
+    return name.removesuffix(VARIANT)
+
+
+def is_variant(name: str) -> bool:
+    return name.endswith(VARIANT)
+
+
 def is_tuned(name: str) -> bool:
-    return name.endswith("-tuned")
+    return base_of(name).endswith("-tuned")
 
 
-def parse_arms(text: str, tuned: TunedSchedule | None = None) -> list[list[str]]:
+def parse_arms(
+    text: str, tuned: TunedSchedule | None = None, variant: bool = False
+) -> list[list[str]]:
     """Groups of arm names, in order: ``dspark3`` -> [dspark3-alone, dspark3-plugin] (a pair,
     measured together), ``dspark3-plugin`` -> one side, ``plain`` -> plain decoding, ``tuned``
-    -> the plugin serving ``tuned``'s schedule."""
+    -> the plugin serving ``tuned``'s schedule. With ``variant`` every arm ``A`` becomes the pair
+    [A, A+variant] instead (measured together, in the order given)."""
+    groups = _parse_groups(text, tuned)
+    if variant:
+        groups = [[a, a + VARIANT] for g in groups for a in g]
+    return groups
+
+
+def _parse_groups(text: str, tuned: TunedSchedule | None) -> list[list[str]]:
     groups: list[list[str]] = []
     for token in [t.strip() for t in text.split(",") if t.strip()]:
         draft, _, side = token.partition("-")
@@ -101,16 +127,21 @@ def parse_arms(text: str, tuned: TunedSchedule | None = None) -> list[list[str]]
 
 def method_of(name: str) -> tuple[str | None, int]:
     """(speculative method, drafted tokens) of an arm; (None, 0) for plain."""
+    name = base_of(name)
     return draft_of(name.split("-")[0]) if name != "plain" else (None, 0)
 
 
 def uses_plugin(name: str) -> bool:
-    return name.endswith("-plugin") or is_tuned(name)
+    return base_of(name).endswith("-plugin") or is_tuned(name)
 
 
 def alone_twin(name: str) -> str | None:
-    """The vLLM-alone arm a plugin arm is compared with (a tuned arm is compared with fixed k)."""
-    return name.replace("-plugin", "-alone") if name.endswith("-plugin") else None
+    """The vLLM-alone arm a plugin arm is compared with (a tuned arm is compared with fixed k; a
+    variant plugin arm with the variant of vLLM alone)."""
+    base = base_of(name)
+    if not base.endswith("-plugin"):
+        return None
+    return base.removesuffix("-plugin") + "-alone" + name[len(base) :]
 
 
 def speculative_config(

@@ -25,9 +25,14 @@ alone with the draft step at its floor, and the draft step the goal (1.10x at co
 serves that per-batch-size schedule through the plugin, and a third table sets it beside the
 best fixed-k arm of its draft and plain decoding at each concurrency.
 
-Process layout: an ``alone`` lane and a ``plugin`` lane; with ``--side-by-side`` (default when the
-GPU holds two engines) a draft's two engines are resident together and their windows interleave,
-and each lane starts its next engine as soon as it holds none. Order: DSpark 3 (alone, plugin),
+A/B of one engine setting (``--variant-engine-arg``, ``--variant-spec-arg``, ``--variant-env``):
+every arm ``A`` of ``--arms`` runs beside ``A+variant``, the same arm with those settings added,
+both resident and their windows interleaved; ``x base`` pairs the variant's repeats with ``A``'s.
+
+Process layout: an ``alone`` lane and a ``plugin`` lane (and their ``+variant`` twins); with
+``--side-by-side`` (default when the GPU holds two engines) a group's two engines (a draft's
+pair, or an arm and its variant) are resident together and their windows interleave, and each
+lane starts its next engine as soon as it holds none. Order: DSpark 3 (alone, plugin),
 plain, DSpark 7, DFlash 5: the most important cells first, every wall window before any profiled
 one.
 """
@@ -41,8 +46,11 @@ from pathlib import Path
 
 from benchmarks.harness import environment, floors, lanes, offline, report
 from benchmarks.harness.arms import (
+    VARIANT,
     alone_twin,
+    base_of,
     is_tuned,
+    is_variant,
     k_at,
     method_of,
     parse_arms,
@@ -101,6 +109,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the file `vllm-nemotron-spec tune --out` wrote: the arm `tuned` serves "
                    "its per-batch-size schedule with the plugin, and the report compares it with "
                    "the fixed-k arms of the same draft and with plain decoding")  # fmt: skip
+    p.add_argument("--variant-engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="A/B: run every arm beside ARM+variant, which adds this vllm.LLM argument, "
+                   "e.g. use_replayssm=true (repeatable; with the --variant-* options below)")  # fmt: skip
+    p.add_argument("--variant-spec-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="A/B: the variant adds this speculative-config key, e.g. "
+                   "attention_backend='\"TRITON_ATTN\"' (repeatable)")  # fmt: skip
+    p.add_argument("--variant-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="A/B: the variant's engine process has this environment variable, e.g. "
+                   "NEMOTRON_SPEC_FUSED_MARKOV=0 (repeatable)")  # fmt: skip
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help="HBM bandwidth of the floors (default by GPU: H200 4.3, H100 3.0 TB/s, "
                    "~90%% of nominal; harness/floors.py)")  # fmt: skip
@@ -120,6 +137,27 @@ def defaults(args) -> None:
     args.profile_steps = pick(args.profile_steps, 32, 4)
     args.input_len = pick(args.input_len, 1024, 24)
     args.tuned = read_schedule(args.schedule) if getattr(args, "schedule", None) else None
+    args.variant_env_vars = variant_env(getattr(args, "variant_env", []))
+
+
+def has_variant(args) -> bool:
+    """Whether the run A/Bs a setting: any ``--variant-*`` option given."""
+    return bool(
+        getattr(args, "variant_engine_arg", [])
+        or getattr(args, "variant_spec_arg", [])
+        or getattr(args, "variant_env", [])
+    )
+
+
+def variant_env(items: list[str]) -> dict:
+    """``--variant-env KEY=VALUE`` items as a dict; a malformed one ends the run naming it."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--variant-env {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
 
 
 def engine_overrides(items: list[str], option: str = "--engine-arg") -> dict:
@@ -164,15 +202,31 @@ def arm_spec(name: str, args, models, side_by_side: bool) -> dict:
         if args.prefix_caching:
             engine["mamba_cache_mode"] = "align"
     engine.update(engine_overrides(args.engine_arg))
+    variant = is_variant(name)
+    if variant:
+        engine.update(engine_overrides(args.variant_engine_arg, "--variant-engine-arg"))
     tuned = getattr(args, "tuned", None)
     speculative = speculative_config(name, models.drafts, synthetic=not args.smoke, tuned=tuned)
     if speculative is not None:
         speculative.update(engine_overrides(args.spec_arg, "--spec-arg"))
+        if variant:
+            speculative.update(engine_overrides(args.variant_spec_arg, "--variant-spec-arg"))
     return {"name": name, "engine": engine, "num_spec": k, "speculative": speculative}
 
 
 def lane_of(name: str) -> str:
-    return "plugin" if uses_plugin(name) else "alone"
+    """The lane process an arm's engine runs in: ``alone`` or ``plugin``, ``+variant`` for a
+    variant (its own process, with the variant's environment)."""
+    return ("plugin" if uses_plugin(name) else "alone") + (VARIANT if is_variant(name) else "")
+
+
+def lane_envs(args) -> dict[str, dict]:
+    """Each lane's environment: vLLM alone's (no plugins) or the plugin's; a variant lane's adds
+    ``--variant-env``."""
+    envs = {"alone": environment.engine_env(False), "plugin": environment.engine_env(True)}
+    for side in list(envs):
+        envs[side + VARIANT] = {**envs[side], **args.variant_env_vars}
+    return envs
 
 
 def choose_side_by_side(args, models) -> bool:
@@ -272,7 +326,7 @@ def describe(w: dict) -> str:
 
 def run(args) -> int:
     defaults(args)
-    groups = parse_arms(args.arms, args.tuned)
+    groups = parse_arms(args.arms, args.tuned, variant=has_variant(args))
     run_ = Run(NAME, args)
     args.bandwidth_of = "--bandwidth-tbs"
     if args.bandwidth_tbs is None:  # the GPU as the run's setup facts name it
@@ -308,7 +362,10 @@ def run(args) -> int:
         arms = []
         for name in group:
             spec = arm_spec(name, args, models, side)
-            fingerprint = arm_fingerprint(name, spec, params, os.environ)
+            environ = {**os.environ, **args.variant_env_vars} if is_variant(name) else os.environ
+            fingerprint = arm_fingerprint(name, spec, params, environ)
+            if is_variant(name) and args.variant_env_vars:
+                fingerprint["variant_env"] = dict(args.variant_env_vars)
             kept = kept_entry(run_.previous, "arms", name, fingerprint, args.force)
             if kept:
                 run_.say(f"{name}: kept from the run of {kept.get('kept_at')}")
@@ -316,7 +373,7 @@ def run(args) -> int:
                 continue
             entry = {"status": "pending", "fingerprint": fingerprint, "windows": []}
             result["arms"][name] = entry
-            if lane_of(name) == "plugin" and not environment.plugin_installed():
+            if uses_plugin(name) and not environment.plugin_installed():
                 entry["status"] = ("error: the plugin's entry point is not installed "
                                    "(pip install --no-deps --no-build-isolation -e .)")  # fmt: skip
                 continue
@@ -331,7 +388,7 @@ def run(args) -> int:
         entry["info"] = dict(arm.info)
         save()
 
-    envs = {"alone": environment.engine_env(False), "plugin": environment.engine_env(True)}
+    envs = lane_envs(args)
     used = {a.lane for g in arm_groups for a in g}
     run_.say(f"arms: {[[a.name for a in g] for g in arm_groups]}; "
              f"{'side by side' if side else 'one engine at a time'}")  # fmt: skip
@@ -349,7 +406,7 @@ def ok(name: str, entry: dict, smoke: bool) -> bool:
     status = str(entry.get("status", ""))
     if status in ("ok", "kept") or status.startswith("skipped"):
         return True
-    return smoke and name.endswith("-alone") and status.startswith("error")
+    return smoke and base_of(name).endswith("-alone") and status.startswith("error")
 
 
 # ------------------------------------------------------------------------------------------
@@ -390,7 +447,7 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
     target = floors.TargetShape.from_config(target_cfg, quantized)
     draft = drafts[method] if method else None
     # under a schedule vLLM drafts the whole block; the plugin's DSpark drafts the step's k
-    only_k = method == "dspark" and lane_of(name) == "plugin"
+    only_k = method == "dspark" and uses_plugin(name)
     drafted = k if only_k else spec.get("num_spec") or k
     replay_ssm = bool(spec.get("engine", {}).get("use_replayssm"))
     return floors.step_floors(target, draft, conc, k, context, kv_bytes, args.bandwidth_tbs,
@@ -398,7 +455,7 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
 
 
 COLUMNS = [
-    "arm", "conc", "tok/s [range]", "x alone", "x plain", "accept len", "tokens/step",
+    "arm", "conc", "tok/s [range]", "x alone", "x plain", "x base", "accept len", "tokens/step",
     "wall ms/step", "GPU-busy ms/step", "target ms", "draft ms", "sampling ms", "rest ms",
     "host gap ms", "floor target / draft / sampling ms", "floor step ms", "checks",
 ]  # fmt: skip
@@ -406,7 +463,8 @@ NOTES = [
     "Per engine step, decode only (B requests past prefill; vLLM's spec-decode counters for the "
     "acceptance length). tok/s and wall ms/step: the median of the wall windows [min-max]. "
     "x alone / x plain: output tok/s over vLLM alone's with the same draft / over plain decoding, "
-    "repeat k against repeat k (same prompts and request seeds), median [min-max]; ~ marks a "
+    "repeat k against repeat k (same prompts and request seeds), median [min-max]; x base: a "
+    "variant arm over the arm it varies, the same way; ~ marks a "
     "ratio of medians where the repeats do not pair. GPU-busy: union of the GPU's kernel, copy "
     "and memset intervals in a profiled window (CUDA activity only) over its steps. target / "
     "draft / sampling / rest: GPU time of the kernels launched inside the runner's phases (target "
@@ -425,7 +483,7 @@ def tables(result: dict, target_cfg: dict, drafts: dict, quantized: bool, args) 
     arms = result["arms"]
     for name, entry in arms.items():
         if not entry.get("windows"):
-            table.add(name, "", "", "", "", "", "", "", "", "", "", "", "", "", "", "",
+            table.add(name, "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "",
                       str(entry.get("status", ""))[:200])  # fmt: skip
             continue
         for conc in args.concurrency:
@@ -541,7 +599,8 @@ def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:
     split = next(iter(windows(entry, "split", conc)), None)
     tok_s = by_repeat(walls, "tok_s", args.repeats)
     alone = arms.get(alone_twin(name) or "")
-    plain = arms.get("plain") if name != "plain" else None
+    plain = arms.get("plain") if base_of(name) != "plain" else None
+    base = arms.get(base_of(name)) if is_variant(name) else None
     wall_ms = report.median(w["ms_per_step"] for w in walls)
     busy_ms = busy.get("busy_ms_per_step") if busy else None
     fl = floors_for(name, entry, conc, target_cfg, drafts, quantized, args)
@@ -555,6 +614,8 @@ def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:
         if alone else "",
         report.ratio_cell(tok_s, by_repeat(windows(plain, "wall", conc), "tok_s", args.repeats))
         if plain else "",
+        report.ratio_cell(tok_s, by_repeat(windows(base, "wall", conc), "tok_s", args.repeats))
+        if base else "",
         report.fmt(report.median(w.get("acceptance_length") for w in walls)),
         report.fmt(report.median(w.get("tokens_per_step") for w in walls)),
         report.median_with_range([w["ms_per_step"] for w in walls], "{:.2f}"),
@@ -593,7 +654,8 @@ def setup_lines(result: dict, args) -> dict:
         f"{args.moe_backend}; KV cache {args.kv_cache_dtype}; prefix caching "
         f"{'on (align)' if args.prefix_caching else 'off'}"
         + "".join(f"; {item}" for item in args.engine_arg)
-        + "".join(f"; speculative {item}" for item in args.spec_arg),
+        + "".join(f"; speculative {item}" for item in args.spec_arg)
+        + variant_line(args),
         "windows": f"{args.input_len}-token prompts; {args.repeats} wall windows of {args.steps} "
         f"steps; profiled windows of {args.profile_steps} steps; {args.warmup_steps} decode "
         "steps before each",
@@ -615,13 +677,21 @@ def setup_lines(result: dict, args) -> dict:
 PLUGIN_SETTINGS = ("NEMOTRON_SPEC_FUSED_MARKOV",)
 
 
+def variant_line(args) -> str:
+    """What the ``+variant`` arms add, for the report's engine line ('' without a variant)."""
+    items = [*getattr(args, "variant_engine_arg", [])]
+    items += [f"speculative {i}" for i in getattr(args, "variant_spec_arg", [])]
+    items += [f"env {i}" for i in getattr(args, "variant_env", [])]
+    return f"; +variant arms: {', '.join(items)}" if items else ""
+
+
 def arm_fingerprint(name: str, spec: dict, params: dict, environ) -> dict:
     """What an earlier result's arm must match to be kept: its engine, the run's parameters and,
     for a plugin arm, the :data:`PLUGIN_SETTINGS` the environment sets (an A/B's arm into the
     same ``--out`` is measured, not taken for the default's)."""
     fingerprint = {"spec": spec, "params": params}
     settings = {k: environ[k] for k in PLUGIN_SETTINGS if k in environ}
-    if settings and lane_of(name) == "plugin":
+    if settings and uses_plugin(name):
         fingerprint["plugin_settings"] = settings
     return fingerprint
 

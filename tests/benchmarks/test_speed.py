@@ -379,3 +379,68 @@ def test_an_arm_run_with_replayssm_is_floored_with_one_state_read(configs):
     state = [g["target"]["bytes"]["mamba_state"] for g in got]
     assert state[1] < state[0] / 3  # a read and k + 1 = 4 writes of the state become one read
     assert got[0]["draft"] == got[1]["draft"] and got[0]["sampling"] == got[1]["sampling"]
+
+
+def test_a_variant_runs_every_arm_beside_the_same_arm_with_its_settings():
+    from benchmarks.harness.arms import alone_twin, method_of, parse_arms
+
+    assert parse_arms("dspark3,plain", variant=True) == [
+        ["dspark3-alone", "dspark3-alone+variant"],
+        ["dspark3-plugin", "dspark3-plugin+variant"],
+        ["plain", "plain+variant"],
+    ]
+    assert parse_arms("dspark3", variant=False) == [["dspark3-alone", "dspark3-plugin"]]
+    # a variant plugin arm is compared with the variant of vLLM alone, and runs in its own lane
+    assert alone_twin("dspark3-plugin+variant") == "dspark3-alone+variant"
+    assert method_of("dspark7-plugin+variant") == ("dspark", 7)
+    assert method_of("plain+variant") == (None, 0)
+    assert [speed.lane_of(n) for n in ("dspark3-plugin+variant", "plain+variant")] == [
+        "plugin+variant", "alone+variant",
+    ]  # fmt: skip
+    m = models.Models("/t", {"dspark": "/d", "dflash": "/f"}, "nvfp4", "auto")
+    a = args(
+        variant_engine_arg=["use_replayssm=true"],
+        variant_spec_arg=['attention_backend="TRITON_ATTN"'],
+    )
+    base, variant = (
+        speed.arm_spec(n, a, m, True) for n in ("dspark3-plugin", "dspark3-plugin+variant")
+    )
+    assert variant["engine"] == {**base["engine"], "use_replayssm": True}
+    assert variant["speculative"] == {**base["speculative"], "attention_backend": "TRITON_ATTN"}
+    plain = speed.arm_spec("plain+variant", a, m, True)
+    assert plain["engine"]["use_replayssm"] is True and plain["speculative"] is None
+
+
+def test_a_variants_environment_reaches_its_lanes_only():
+    a = args(variant_env_vars=speed.variant_env(["NEMOTRON_SPEC_FUSED_MARKOV=0", "X=a=b"]))
+    envs = speed.lane_envs(a)
+    assert envs["plugin+variant"] == {
+        **envs["plugin"],
+        "NEMOTRON_SPEC_FUSED_MARKOV": "0",
+        "X": "a=b",
+    }
+    assert envs["alone+variant"]["X"] == "a=b" and "X" not in envs["alone"]
+    assert "NEMOTRON_SPEC_FUSED_MARKOV" not in envs["plugin"]
+    with pytest.raises(SystemExit, match="--variant-env 'NOVALUE': expected KEY=VALUE"):
+        speed.variant_env(["NOVALUE"])
+    assert speed.has_variant(args(variant_env=["A=1"])) and not speed.has_variant(args())
+
+
+def test_x_base_pairs_a_variants_repeats_with_the_arm_it_varies(configs):
+    result = {
+        "models": {"target_kind": "nvfp4"},
+        "arms": {
+            "dspark3-plugin": entry([100, 100, 120], [10.0, 10.0, 9.0]),
+            "dspark3-plugin+variant": entry([110, 90, 132], [9.0, 11.0, 8.0]),
+        },
+    }
+    table = speed.tables(result, *configs, True, args())[0]  # no ceiling: no vLLM alone
+    rows = {r[0]: dict(zip(table.columns, r)) for r in table.rows}
+    assert rows["dspark3-plugin+variant"]["x base"] == "1.10 [0.90-1.10]"
+    assert rows["dspark3-plugin"]["x base"] == ""
+    assert rows["dspark3-plugin+variant"]["x alone"] == ""  # no variant of vLLM alone here
+    line = speed.setup_lines(
+        {"models": {"target_kind": "nvfp4"}, "setup": {}},
+        args(variant_engine_arg=["use_replayssm=true"], variant_env=["A=1"]),
+    )["engine"]
+    assert line.endswith("; +variant arms: use_replayssm=true, env A=1")
