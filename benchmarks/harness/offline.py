@@ -15,6 +15,10 @@ itself and reaches the model runner (``instrument``). A window of concurrency B:
    one before, so over many steps each call is one engine step;
 4. the requests are aborted and the engine drained.
 
+Every window also records the pauses of this process's garbage collector inside it (the engine
+core runs here: a collection stops the step loop while the GPU drains what was launched):
+``gc_ms_per_step`` and the collections by generation.
+
 Kinds of window: ``wall`` (no profiler: wall time, tokens, spec-decode counters), ``busy`` (vLLM's
 torch profiler with CUDA activity only, ``llm.start_profile()`` / ``stop_profile()`` around the
 window, with a device synchronize on both sides so the trace holds exactly the window's steps:
@@ -53,6 +57,31 @@ def prompt_ids(vocab: int, length: int, kind: str, conc: int, repeat: int, index
 def max_tokens_for(num_spec: int, warmup_steps: int, steps: int) -> int:
     """Enough tokens that no request ends inside the window, whatever it accepts."""
     return (warmup_steps + steps + 8) * (num_spec + 1) + 16
+
+
+class GcPauses:
+    """While active (``with``): the time this process spends in garbage collections and their
+    count by generation (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.by_generation = [0, 0, 0]
+        self._began: float | None = None
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.by_generation[min(int(info.get("generation", 2)), 2)] += 1
+            self._began = None
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 class OfflineEngine:
@@ -167,6 +196,8 @@ class OfflineEngine:
             "per_position_acceptance": spec.per_position_acceptance,
             "shapes": shapes, "decode_only": set(shapes) == {expected},
             "expected_shape": expected, "finished_inside": len(self._finished),
+            "gc_ms_per_step": measured["gc_s"] * 1e3 / counted if counted else None,
+            "gc_collections": measured["gc_collections"],
         }  # fmt: skip
         if trace_info:
             out.update(self._read_trace(kind, trace_info, counted, analyse))
@@ -191,12 +222,13 @@ class OfflineEngine:
 
         spec0, tokens0 = read_spec_counters(self.llm), sum(counts.values())
         mark = self.counter.mark()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            self._step(counts)
-        if sync:
-            self._sync()
-        wall = time.perf_counter() - t0
+        with GcPauses() as pauses:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self._step(counts)
+            if sync:
+                self._sync()
+            wall = time.perf_counter() - t0
         counted, shapes = self.counter.since(mark)
         return {
             "wall_s": wall,
@@ -204,6 +236,8 @@ class OfflineEngine:
             "shapes": shapes,
             "tokens": sum(counts.values()) - tokens0,
             "spec": read_spec_counters(self.llm).minus(spec0),
+            "gc_s": pauses.seconds,
+            "gc_collections": list(pauses.by_generation),
         }
 
     def _profiled(self, kind: str, counts: dict, steps: int, ranges) -> tuple[dict, dict]:

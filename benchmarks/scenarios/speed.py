@@ -315,6 +315,8 @@ def describe(w: dict) -> str:
              f"{w.get('tok_s') or 0:.0f} tok/s", f"accept {report.fmt(w.get('acceptance_length'))}"]  # fmt: skip
     if w.get("busy_ms_per_step") is not None:
         parts.append(f"busy {w['busy_ms_per_step']:.2f} ms/step")
+    if w.get("gc_ms_per_step"):
+        parts.append(f"GC {w['gc_ms_per_step']:.2f} ms/step {w.get('gc_collections')}")
     if not w.get("decode_only"):
         parts.append(f"NOT decode-only: {w.get('shapes')}")
     return ", ".join(parts)
@@ -457,7 +459,7 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
 COLUMNS = [
     "arm", "conc", "tok/s [range]", "x alone", "x plain", "x base", "accept len", "tokens/step",
     "wall ms/step", "GPU-busy ms/step", "target ms", "draft ms", "sampling ms", "rest ms",
-    "host gap ms", "floor target / draft / sampling ms", "floor step ms", "checks",
+    "host gap ms", "GC ms/step", "floor target / draft / sampling ms", "floor step ms", "checks",
 ]  # fmt: skip
 NOTES = [
     "Per engine step, decode only (B requests past prefill; vLLM's spec-decode counters for the "
@@ -470,7 +472,8 @@ NOTES = [
     "draft / sampling / rest: GPU time of the kernels launched inside the runner's phases (target "
     "forward and lm_head; the speculator's propose; sampler or rejection sampler; everything "
     "else), from a second profiled window with CPU activity; they sum to about GPU-busy (kernels "
-    "on two streams may overlap). Host gap: wall - GPU-busy. Floors: bytes each part must read per "
+    "on two streams may overlap). Host gap: wall - GPU-busy. GC: the lane process's garbage "
+    "collections inside the wall windows (the engine core runs there), median [min-max]. Floors: bytes each part must read per "
     "step at the stated bandwidth (routed experts: the expected distinct experts the step's "
     "tokens touch; benchmarks/harness/floors.py).",
 ]
@@ -483,8 +486,7 @@ def tables(result: dict, target_cfg: dict, drafts: dict, quantized: bool, args) 
     arms = result["arms"]
     for name, entry in arms.items():
         if not entry.get("windows"):
-            table.add(name, "", "", "", "", "", "", "", "", "", "", "", "", "", "", "", "",
-                      str(entry.get("status", ""))[:200])  # fmt: skip
+            table.add(*[name] + [""] * (len(COLUMNS) - 2), str(entry.get("status", ""))[:200])
             continue
         for conc in args.concurrency:
             table.add(*row(name, entry, conc, arms, target_cfg, drafts, quantized, args))
@@ -622,9 +624,16 @@ def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:
         report.fmt(busy_ms),
         *(report.fmt(part_ms(split, c)) for c in ("target", "draft", "sampling", "rest")),
         report.fmt(wall_ms - busy_ms if wall_ms is not None and busy_ms is not None else None),
-        floor_parts, report.fmt((fl or {}).get("step", {}).get("floor_ms")),
+        gc_cell(walls), floor_parts, report.fmt((fl or {}).get("step", {}).get("floor_ms")),
         checks(entry, conc),
     ]  # fmt: skip
+
+
+def gc_cell(walls: list[dict]) -> str:
+    """The wall windows' garbage-collection ms a step, median [min-max] ('' before it was
+    recorded)."""
+    values = [w["gc_ms_per_step"] for w in walls if w.get("gc_ms_per_step") is not None]
+    return report.median_with_range(values, "{:.2f}") if values else ""
 
 
 def checks(entry: dict, conc: int) -> str:

@@ -279,6 +279,7 @@ def test_speed_smoke_runs_every_path_on_cpu(speed_run):
     assert kinds == ["warm", "wall", "wall", "busy", "split"]
     for w in plugin["windows"]:
         assert w["decode_only"] and w["steps"] == w["step_calls"] and w["tokens"] >= 2 * w["steps"]
+        assert w["gc_ms_per_step"] >= 0 and len(w["gc_collections"]) == 3
     split = plugin["windows"][-1]
     assert {"target", "draft", "sampling"} <= set(split["parts_ms_per_step"])
     assert any("propose_draft_token_ids -> draft" in r for r in split["ranges"])
@@ -444,3 +445,35 @@ def test_x_base_pairs_a_variants_repeats_with_the_arm_it_varies(configs):
         args(variant_engine_arg=["use_replayssm=true"], variant_env=["A=1"]),
     )["engine"]
     assert line.endswith("; +variant arms: use_replayssm=true, env A=1")
+
+
+def test_a_window_counts_the_garbage_collectors_pauses_inside_it():
+    import gc
+
+    from benchmarks.harness.offline import GcPauses
+
+    callbacks = list(gc.callbacks)
+    with GcPauses() as pauses:
+        for _ in range(3):
+            loop = []
+            loop.append(loop)  # a cycle: only the collector frees it
+            del loop
+            gc.collect(2)
+        gc.collect(0)
+    assert pauses.by_generation[2] >= 3 and pauses.by_generation[0] >= 1
+    assert pauses.seconds > 0
+    assert gc.callbacks == callbacks  # the callback is gone after the window
+    counted = list(pauses.by_generation)
+    gc.collect()
+    assert pauses.by_generation == counted  # nothing counted outside it
+
+
+def test_the_gc_column_shows_the_wall_windows_pauses(configs):
+    e = entry([100] * 3, [10.0] * 3)
+    for w, gc_ms in zip([w for w in e["windows"] if w["kind"] == "wall"], [0.0, 0.5, 0.3]):
+        w["gc_ms_per_step"] = gc_ms
+    result = {"models": {"target_kind": "nvfp4"}, "arms": {"dspark3-plugin": e}}
+    table = speed.tables(result, *configs, True, args())[0]
+    (row,) = [dict(zip(table.columns, r)) for r in table.rows]
+    assert row["GC ms/step"] == "0.30 [0.00-0.50]"
+    assert speed.gc_cell([{"kind": "wall"}]) == ""  # a result from before it was recorded
