@@ -17,7 +17,8 @@ itself and reaches the model runner (``instrument``). A window of concurrency B:
 
 Every window also records the pauses of this process's garbage collector inside it (the engine
 core runs here: a collection stops the step loop while the GPU drains what was launched):
-``gc_ms_per_step`` and the collections by generation.
+``gc_ms_per_step`` and the collections by generation; and the spread of its ``step()`` calls
+(``step_call_ms``: median, 90th percentile, longest).
 
 Kinds of window: ``wall`` (no profiler: wall time, tokens, spec-decode counters), ``busy`` (vLLM's
 torch profiler with CUDA activity only, ``llm.start_profile()`` / ``stop_profile()`` around the
@@ -57,6 +58,16 @@ def prompt_ids(vocab: int, length: int, kind: str, conc: int, repeat: int, index
 def max_tokens_for(num_spec: int, warmup_steps: int, steps: int) -> int:
     """Enough tokens that no request ends inside the window, whatever it accepts."""
     return (warmup_steps + steps + 8) * (num_spec + 1) + 16
+
+
+def call_spread(seconds: list[float]) -> dict | None:
+    """Median, 90th percentile and longest of a window's ``step()`` calls, in ms: a wall time
+    above GPU-busy from a few long calls (a stall) or from every call (steady host work)."""
+    if not seconds:
+        return None
+    ms = sorted(v * 1e3 for v in seconds)
+    return {"p50": ms[len(ms) // 2], "p90": ms[min(len(ms) - 1, (9 * len(ms)) // 10)],
+            "max": ms[-1]}  # fmt: skip
 
 
 class GcPauses:
@@ -198,6 +209,7 @@ class OfflineEngine:
             "expected_shape": expected, "finished_inside": len(self._finished),
             "gc_ms_per_step": measured["gc_s"] * 1e3 / counted if counted else None,
             "gc_collections": measured["gc_collections"],
+            "step_call_ms": measured["step_call_ms"],
         }  # fmt: skip
         if trace_info:
             out.update(self._read_trace(kind, trace_info, counted, analyse))
@@ -222,10 +234,13 @@ class OfflineEngine:
 
         spec0, tokens0 = read_spec_counters(self.llm), sum(counts.values())
         mark = self.counter.mark()
+        calls = []
         with GcPauses() as pauses:
             t0 = time.perf_counter()
             for _ in range(steps):
+                began = time.perf_counter()
                 self._step(counts)
+                calls.append(time.perf_counter() - began)
             if sync:
                 self._sync()
             wall = time.perf_counter() - t0
@@ -238,6 +253,7 @@ class OfflineEngine:
             "spec": read_spec_counters(self.llm).minus(spec0),
             "gc_s": pauses.seconds,
             "gc_collections": list(pauses.by_generation),
+            "step_call_ms": call_spread(calls),
         }
 
     def _profiled(self, kind: str, counts: dict, steps: int, ranges) -> tuple[dict, dict]:

@@ -317,6 +317,10 @@ def describe(w: dict) -> str:
         parts.append(f"busy {w['busy_ms_per_step']:.2f} ms/step")
     if w.get("gc_ms_per_step"):
         parts.append(f"GC {w['gc_ms_per_step']:.2f} ms/step {w.get('gc_collections')}")
+    calls = w.get("step_call_ms")
+    if calls:
+        parts.append(f"step() p50 / p90 / max {calls['p50']:.2f} / {calls['p90']:.2f} / "
+                     f"{calls['max']:.2f} ms")  # fmt: skip
     if not w.get("decode_only"):
         parts.append(f"NOT decode-only: {w.get('shapes')}")
     return ", ".join(parts)
@@ -459,7 +463,7 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
 COLUMNS = [
     "arm", "conc", "tok/s [range]", "x alone", "x plain", "x base", "accept len", "tokens/step",
     "wall ms/step", "GPU-busy ms/step", "target ms", "draft ms", "sampling ms", "rest ms",
-    "host gap ms", "GC ms/step", "floor target / draft / sampling ms", "floor step ms", "checks",
+    "host gap ms", "GC ms/step; longest step() ms", "floor target / draft / sampling ms", "floor step ms", "checks",
 ]  # fmt: skip
 NOTES = [
     "Per engine step, decode only (B requests past prefill; vLLM's spec-decode counters for the "
@@ -473,7 +477,8 @@ NOTES = [
     "forward and lm_head; the speculator's propose; sampler or rejection sampler; everything "
     "else), from a second profiled window with CPU activity; they sum to about GPU-busy (kernels "
     "on two streams may overlap). Host gap: wall - GPU-busy. GC: the lane process's garbage "
-    "collections inside the wall windows (the engine core runs there), median [min-max]. Floors: bytes each part must read per "
+    "collections inside the wall windows (the engine core runs there), median [min-max], and the "
+    "longest single step() call of those windows (a stall, against their ms/step). Floors: bytes each part must read per "
     "step at the stated bandwidth (routed experts: the expected distinct experts the step's "
     "tokens touch; benchmarks/harness/floors.py).",
 ]
@@ -630,10 +635,14 @@ def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:
 
 
 def gc_cell(walls: list[dict]) -> str:
-    """The wall windows' garbage-collection ms a step, median [min-max] ('' before it was
-    recorded)."""
+    """The wall windows' garbage-collection ms a step, median [min-max], and the longest
+    ``step()`` call of any of them ('' before they were recorded)."""
     values = [w["gc_ms_per_step"] for w in walls if w.get("gc_ms_per_step") is not None]
-    return report.median_with_range(values, "{:.2f}") if values else ""
+    longest = [w["step_call_ms"]["max"] for w in walls if w.get("step_call_ms")]
+    cell = report.median_with_range(values, "{:.2f}") if values else ""
+    if longest:
+        cell += f"; longest step() {max(longest):.1f}"
+    return cell
 
 
 def checks(entry: dict, conc: int) -> str:

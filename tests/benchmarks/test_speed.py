@@ -280,6 +280,8 @@ def test_speed_smoke_runs_every_path_on_cpu(speed_run):
     for w in plugin["windows"]:
         assert w["decode_only"] and w["steps"] == w["step_calls"] and w["tokens"] >= 2 * w["steps"]
         assert w["gc_ms_per_step"] >= 0 and len(w["gc_collections"]) == 3
+        calls = w["step_call_ms"]
+        assert 0 < calls["p50"] <= calls["p90"] <= calls["max"] <= w["wall_s"] * 1e3
     split = plugin["windows"][-1]
     assert {"target", "draft", "sampling"} <= set(split["parts_ms_per_step"])
     assert any("propose_draft_token_ids -> draft" in r for r in split["ranges"])
@@ -475,5 +477,17 @@ def test_the_gc_column_shows_the_wall_windows_pauses(configs):
     result = {"models": {"target_kind": "nvfp4"}, "arms": {"dspark3-plugin": e}}
     table = speed.tables(result, *configs, True, args())[0]
     (row,) = [dict(zip(table.columns, r)) for r in table.rows]
-    assert row["GC ms/step"] == "0.30 [0.00-0.50]"
+    assert row["GC ms/step; longest step() ms"] == "0.30 [0.00-0.50]"
     assert speed.gc_cell([{"kind": "wall"}]) == ""  # a result from before it was recorded
+    walls = [{"gc_ms_per_step": 0.1, "step_call_ms": {"p50": 4.0, "p90": 4.2, "max": m}}
+             for m in (4.5, 31.0)]  # fmt: skip
+    assert speed.gc_cell(walls) == "0.10 [0.10-0.10]; longest step() 31.0"
+
+
+def test_a_windows_step_calls_are_summarised_by_their_spread():
+    from benchmarks.harness.offline import call_spread
+
+    spread = call_spread([0.004] * 9 + [0.030])
+    assert spread == {"p50": 4.0, "p90": 30.0, "max": 30.0}
+    assert call_spread([0.001, 0.003, 0.002])["p50"] == 2.0
+    assert call_spread([]) is None
