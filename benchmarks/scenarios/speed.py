@@ -463,23 +463,24 @@ def floors_for(name, entry, conc, target_cfg, drafts, quantized, args) -> dict |
 COLUMNS = [
     "arm", "conc", "tok/s [range]", "x alone", "x plain", "x base", "accept len", "tokens/step",
     "wall ms/step", "GPU-busy ms/step", "target ms", "draft ms", "sampling ms", "rest ms",
-    "host gap ms", "GC ms/step; longest step() ms", "floor target / draft / sampling ms", "floor step ms", "checks",
+    "host gap ms", "GC ms/step; longest step() ms", "floor target / draft / sampling ms",
+    "floor step ms", "checks",
 ]  # fmt: skip
 NOTES = [
     "Per engine step, decode only (B requests past prefill; vLLM's spec-decode counters for the "
     "acceptance length). tok/s and wall ms/step: the median of the wall windows [min-max]. "
     "x alone / x plain: output tok/s over vLLM alone's with the same draft / over plain decoding, "
     "repeat k against repeat k (same prompts and request seeds), median [min-max]; x base: a "
-    "variant arm over the arm it varies, the same way; ~ marks a "
-    "ratio of medians where the repeats do not pair. GPU-busy: union of the GPU's kernel, copy "
+    "variant arm over the arm it varies, the same way; ~ marks a ratio of medians where the "
+    "repeats do not pair. GPU-busy: union of the GPU's kernel, copy "
     "and memset intervals in a profiled window (CUDA activity only) over its steps. target / "
     "draft / sampling / rest: GPU time of the kernels launched inside the runner's phases (target "
     "forward and lm_head; the speculator's propose; sampler or rejection sampler; everything "
     "else), from a second profiled window with CPU activity; they sum to about GPU-busy (kernels "
     "on two streams may overlap). Host gap: wall - GPU-busy. GC: the lane process's garbage "
     "collections inside the wall windows (the engine core runs there), median [min-max], and the "
-    "longest single step() call of those windows (a stall, against their ms/step). Floors: bytes each part must read per "
-    "step at the stated bandwidth (routed experts: the expected distinct experts the step's "
+    "longest single step() call of those windows (a stall, against their ms/step). Floors: "
+    "bytes each part must read per step at the stated bandwidth (routed experts: the expected distinct experts the step's "
     "tokens touch; benchmarks/harness/floors.py).",
 ]
 
