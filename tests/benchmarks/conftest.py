@@ -76,6 +76,16 @@ def speed_run(smoke_jobs, tmp_path_factory):
                   "--schedule", schedule)  # fmt: skip
 
 
+@pytest.fixture(scope="session")
+def speed_variant_run(smoke_jobs, tmp_path_factory):
+    """The plugin's DSpark engine beside its variant: another seed, and an environment variable
+    that vLLM names in its log (an unknown ``VLLM_`` one)."""
+    base = tmp_path_factory.mktemp("speed-variant")
+    return _smoke(smoke_jobs, base, "speed", "--concurrency", "1", "--steps", "3",
+                  "--profile-steps", "0", "--warmup-steps", "1", "--arms", "dspark3-plugin",
+                  "--variant-engine-arg", "seed=7", "--variant-env", "VLLM_SPEED_VARIANT_PROBE=1")  # fmt: skip
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _start_smoke_runs(request):
     start_early(
@@ -84,5 +94,6 @@ def _start_smoke_runs(request):
         "serving_run",
         "anchor_run",
         "speed_run",
+        "speed_variant_run",
         under=Path(__file__).parent,
     )

@@ -296,6 +296,33 @@ def test_speed_smoke_runs_every_path_on_cpu(speed_run):
     assert "| dspark3-tuned | 2 | 1 |" in report
 
 
+@pytest.mark.engine
+def test_a_variant_runs_beside_its_base_in_a_lane_with_its_environment(speed_variant_run):
+    """``run.py speed --smoke --arms dspark3-plugin --variant-engine-arg seed=7 --variant-env
+    VLLM_SPEED_VARIANT_PROBE=1``: two engines, the variant's alone started with the argument and
+    in a process with the variable (each engine's log says what it got), and the variant's
+    repeats paired with the base's."""
+    out, done = speed_variant_run.result()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "speed.json").read_text())
+    assert sorted(result["arms"]) == ["dspark3-plugin", "dspark3-plugin+variant"]
+    base, variant = result["arms"]["dspark3-plugin"], result["arms"]["dspark3-plugin+variant"]
+    assert base["status"] == "ok" and variant["status"] == "ok"
+    assert variant["fingerprint"]["variant_env"] == {"VLLM_SPEED_VARIANT_PROBE": "1"}
+    logs = {lane: (out / "logs" / f"lane-{lane}.log").read_text() for lane in
+            ("plugin", "plugin+variant")}  # fmt: skip
+    probe = "Unknown vLLM environment variable detected: VLLM_SPEED_VARIANT_PROBE"
+    assert probe in logs["plugin+variant"] and probe not in logs["plugin"]
+    args_line = {
+        k: next(x for x in v.splitlines() if "non-default args" in x) for k, v in logs.items()
+    }
+    assert "'seed': 7" in args_line["plugin+variant"] and "'seed': 7" not in args_line["plugin"]
+    report = (out / "speed.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| dspark3-plugin+variant"))
+    assert row.split(" | ")[5].strip()  # x base: the variant's repeats over the base's
+    assert "+variant arms: seed=7, env VLLM_SPEED_VARIANT_PROBE=1" in report
+
+
 def test_a_later_run_in_the_same_out_keeps_what_the_earlier_one_measured():
     from benchmarks.harness.common import earlier_entries, kept_entry
 
