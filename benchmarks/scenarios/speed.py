@@ -480,8 +480,8 @@ NOTES = [
     "on two streams may overlap). Host gap: wall - GPU-busy. GC: the lane process's garbage "
     "collections inside the wall windows (the engine core runs there), median [min-max], and the "
     "longest single step() call of those windows (a stall, against their ms/step). Floors: "
-    "bytes each part must read per step at the stated bandwidth (routed experts: the expected distinct experts the step's "
-    "tokens touch; benchmarks/harness/floors.py).",
+    "bytes each part must read per step at the stated bandwidth (routed experts: the expected "
+    "distinct experts the step's tokens touch; benchmarks/harness/floors.py).",
 ]
 
 
