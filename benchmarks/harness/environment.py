@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.harness import host
+
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_ENTRY_POINT = "nemotron_spec"
 
@@ -112,6 +114,7 @@ def setup_facts(command: list[str] | None = None) -> dict:
         "command": " ".join(command or [os.path.basename(sys.executable), *sys.argv]),
         "commit": git_commit(),
         "plugin_entry_point_installed": plugin_installed(),
+        "numa": host.machine_layout(),
         **versions(),
     }
 

@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import environment
+from benchmarks.harness import environment, host
 
 
 class LaneError(RuntimeError):
@@ -65,7 +65,7 @@ def lane_main(conn, env: dict, log_path: str, trace_dir: str, device: str) -> No
     sys.stderr = os.fdopen(2, "w", buffering=1)
     os.environ.clear()
     os.environ.update(env)
-    engine = None
+    engine, lane_cpus = None, None
     while True:
         try:
             op = conn.recv()
@@ -80,7 +80,10 @@ def lane_main(conn, env: dict, log_path: str, trace_dir: str, device: str) -> No
                     engine = None
                 from benchmarks.harness.offline import OfflineEngine
 
+                if lane_cpus is None and env.get(host.LANE_CPUS):
+                    lane_cpus = host.pin(env[host.LANE_CPUS])  # before vLLM starts its threads
                 engine = OfflineEngine(op["arm"], Path(trace_dir), device)
+                engine.info["lane_cpus"] = lane_cpus or "all"
                 reply = {"ok": True, **engine.info}
             elif op["op"] == "call":
                 module, _, name = op["fn"].partition(":")

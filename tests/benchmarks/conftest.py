@@ -78,12 +78,15 @@ def speed_run(smoke_jobs, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def speed_variant_run(smoke_jobs, tmp_path_factory):
-    """The plugin's DSpark engine beside its variant: another seed, and an environment variable
-    that vLLM names in its log (an unknown ``VLLM_`` one)."""
+    """The plugin's DSpark engine beside its variant: another seed, an environment variable
+    that vLLM names in its log (an unknown ``VLLM_`` one), and the variant's lane pinned to the
+    first CPU this process may use."""
     base = tmp_path_factory.mktemp("speed-variant")
+    first_cpu = min(os.sched_getaffinity(0))
     return _smoke(smoke_jobs, base, "speed", "--concurrency", "1", "--steps", "3",
                   "--profile-steps", "0", "--warmup-steps", "1", "--arms", "dspark3-plugin",
-                  "--variant-engine-arg", "seed=7", "--variant-env", "VLLM_SPEED_VARIANT_PROBE=1")  # fmt: skip
+                  "--variant-engine-arg", "seed=7", "--variant-env", "VLLM_SPEED_VARIANT_PROBE=1",
+                  "--variant-env", f"BENCH_LANE_CPUS={first_cpu}")  # fmt: skip
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -282,6 +283,11 @@ def test_speed_smoke_runs_every_path_on_cpu(speed_run):
         assert w["gc_ms_per_step"] >= 0 and len(w["gc_collections"]) == 3
         calls = w["step_call_ms"]
         assert 0 < calls["p50"] <= calls["p90"] <= calls["max"] <= w["wall_s"] * 1e3
+        used = w["host"]  # the engine steps on this thread: it used CPU time, on allowed CPUs
+        assert 0 < used["thread_cpu_ms_per_step"] <= used["process_cpu_ms_per_step"]
+        assert used["cpus"] and set(used["cpus"]) <= os.sched_getaffinity(0)
+        assert used["voluntary_switches_per_step"] >= 0 <= used["involuntary_switches_per_step"]
+    assert plugin["info"]["lane_cpus"] == "all"
     split = plugin["windows"][-1]
     assert {"target", "draft", "sampling"} <= set(split["parts_ms_per_step"])
     assert any("propose_draft_token_ids -> draft" in r for r in split["ranges"])
@@ -299,16 +305,20 @@ def test_speed_smoke_runs_every_path_on_cpu(speed_run):
 @pytest.mark.engine
 def test_a_variant_runs_beside_its_base_in_a_lane_with_its_environment(speed_variant_run):
     """``run.py speed --smoke --arms dspark3-plugin --variant-engine-arg seed=7 --variant-env
-    VLLM_SPEED_VARIANT_PROBE=1``: two engines, the variant's alone started with the argument and
-    in a process with the variable (each engine's log says what it got), and the variant's
-    repeats paired with the base's."""
+    VLLM_SPEED_VARIANT_PROBE=1 --variant-env BENCH_LANE_CPUS=<first CPU>``: two engines, the
+    variant's alone started with the argument, in a process with the variable (each engine's log
+    says what it got) and stepping on the one CPU it is pinned to; the variant's repeats paired
+    with the base's."""
     out, done = speed_variant_run.result()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "speed.json").read_text())
     assert sorted(result["arms"]) == ["dspark3-plugin", "dspark3-plugin+variant"]
     base, variant = result["arms"]["dspark3-plugin"], result["arms"]["dspark3-plugin+variant"]
     assert base["status"] == "ok" and variant["status"] == "ok"
-    assert variant["fingerprint"]["variant_env"] == {"VLLM_SPEED_VARIANT_PROBE": "1"}
+    first_cpu = min(os.sched_getaffinity(0))
+    assert variant["fingerprint"]["variant_env"] == {
+        "VLLM_SPEED_VARIANT_PROBE": "1", "BENCH_LANE_CPUS": str(first_cpu),
+    }  # fmt: skip
     logs = {lane: (out / "logs" / f"lane-{lane}.log").read_text() for lane in
             ("plugin", "plugin+variant")}  # fmt: skip
     probe = "Unknown vLLM environment variable detected: VLLM_SPEED_VARIANT_PROBE"
@@ -321,6 +331,9 @@ def test_a_variant_runs_beside_its_base_in_a_lane_with_its_environment(speed_var
     row = next(line for line in report.splitlines() if line.startswith("| dspark3-plugin+variant"))
     assert row.split(" | ")[5].strip()  # x base: the variant's repeats over the base's
     assert "+variant arms: seed=7, env VLLM_SPEED_VARIANT_PROBE=1" in report
+    assert variant["info"]["lane_cpus"] == [first_cpu] and base["info"]["lane_cpus"] == "all"
+    walls = [w for w in variant["windows"] if w["kind"] == "wall"]
+    assert walls and all(w["host"]["cpus"] == [first_cpu] for w in walls)
 
 
 def test_a_later_run_in_the_same_out_keeps_what_the_earlier_one_measured():
