@@ -522,6 +522,7 @@ GOALS = {1: 1.10}  # the plugin over vLLM alone: 1.10x at concurrency 1, 1.05x e
 CEILING_COLUMNS = [
     "arm", "conc", "goal x alone", "vLLM alone ms/step", "plugin ms/step", "plugin draft ms",
     "draft floor ms", "x alone with the draft at its floor", "draft ms the goal needs",
+    "on GPU-busy: x alone now; draft at its floor",
 ]  # fmt: skip
 CEILING_NOTES = [
     "What the plugin controls is the draft step. With every other part of the plugin's step as "
@@ -529,7 +530,9 @@ CEILING_NOTES = [
     "vLLM alone's wall / that step; the goal needs the draft step at or below vLLM alone's "
     "wall / goal - (the plugin's wall - its draft step) (shown with its multiple of the floor; "
     "below the floor: out of reach of any draft step). Medians of the wall windows; the draft "
-    "step from the split window.",
+    "step from the split window. The last column reads the same from the busy windows instead "
+    "of the wall (vLLM alone's GPU-busy over the plugin's, now and with its draft step at the "
+    "floor): what the GPU allows, whatever host gap the wall windows carried.",
 ]
 
 
@@ -554,10 +557,16 @@ def ceiling_table(arms: dict, target_cfg: dict, drafts: dict, quantized: bool, a
             goal = GOALS.get(conc, 1.05)
             rest = wall_p - draft
             need = wall_a / goal - rest
+            busy_p = report.median(w.get("busy_ms_per_step") for w in windows(entry, "busy", conc))
+            busy_a = report.median(w.get("busy_ms_per_step") for w in windows(alone, "busy", conc))
+            on_gpu = (
+                f"{busy_a / busy_p:.3f}; {busy_a / (busy_p - draft + floor):.3f}"
+                if busy_a and busy_p else "-"
+            )  # fmt: skip
             table.add(
                 name, conc, f"{goal:.2f}", report.fmt(wall_a), report.fmt(wall_p),
                 report.fmt(draft), report.fmt(floor), f"{wall_a / (rest + floor):.3f}",
-                f"{need:.2f} ({need / floor:.2f}x floor)" if need > 0 else "out of reach",
+                f"{need:.2f} ({need / floor:.2f}x floor)" if need > 0 else "out of reach", on_gpu,
             )  # fmt: skip
     return table
 

@@ -93,8 +93,8 @@ def test_ceiling_table_puts_the_draft_step_at_its_floor(configs):
     result = {
         "models": {"target_kind": "nvfp4"},
         "arms": {
-            "dspark3-alone": entry([100] * 3, [10.0] * 3),
-            "dspark3-plugin": entry([100] * 3, [9.0, 9.5, 8.5], parts=parts),
+            "dspark3-alone": entry([100] * 3, [10.0] * 3, busy=8.0),
+            "dspark3-plugin": entry([100] * 3, [9.0, 9.5, 8.5], parts=parts, busy=7.5),
             "plain": entry([50] * 3, [5.0] * 3, num_spec=0),
         },
     }  # fmt: skip
@@ -102,16 +102,18 @@ def test_ceiling_table_puts_the_draft_step_at_its_floor(configs):
     _, ceiling = speed.tables(result, *configs, True, a)
     floor = speed.floors_for("dspark3-plugin", result["arms"]["dspark3-plugin"], 1, *configs,
                              True, a)["draft"]["floor_ms"]  # fmt: skip
-    ((name, conc, goal, alone, plugin, draft, fl, best, need),) = ceiling.rows
+    ((name, conc, goal, alone, plugin, draft, fl, best, need, on_gpu),) = ceiling.rows
     assert (name, conc, goal, alone, plugin, draft) == (
         "dspark3-plugin", "1", "1.10", "10.00", "9.00", "2.00",
     )  # fmt: skip
     assert best == f"{10.0 / (7.0 + floor):.3f}"  # 9.00 - 2.00 of the step stays
     assert need.startswith(f"{10.0 / 1.10 - 7.0:.2f} (")  # 2.09 ms
+    # the same from the busy windows: 8.0 / 7.5 now, 8.0 / (7.5 - 2.0 + floor) at the floor
+    assert on_gpu == f"{8.0 / 7.5:.3f}; {8.0 / (5.5 + floor):.3f}"
     # a plugin step whose rest alone misses the goal: no draft step can reach it
     result["arms"]["dspark3-plugin"] = entry([100] * 3, [12.0] * 3, parts=parts)
     _, ceiling = speed.tables(result, *configs, True, a)
-    assert ceiling.rows[0][-1] == "out of reach"
+    assert ceiling.rows[0][-2] == "out of reach"
 
 
 def test_an_arm_without_windows_shows_its_status(configs):
