@@ -101,7 +101,10 @@ def pin(spec: str) -> list[int]:
     """Pin every thread of this process (and the threads it starts later) to ``spec``'s CPUs."""
     cpus = resolve(spec)
     for task in Path("/proc/self/task").iterdir():
-        os.sched_setaffinity(int(task.name), cpus)
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
     return cpus
 
 

@@ -361,7 +361,7 @@ def run(args) -> int:
         k: DraftSpec.from_pretrained(p) for k, p in models.drafts.items()
     }
     params = {k: getattr(args, k) for k in ("concurrency", "repeats", "steps", "profile_steps",
-              "warmup_steps", "input_len", "target", "bandwidth_tbs")}  # fmt: skip
+              "warmup_steps", "input_len", "target", "bandwidth_tbs", "lane_cpus")}  # fmt: skip
     result = {
         "scenario": NAME,
         "params": params,

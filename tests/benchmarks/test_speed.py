@@ -471,6 +471,22 @@ def test_a_variants_environment_reaches_its_lanes_only():
     assert speed.has_variant(args(variant_env=["A=1"])) and not speed.has_variant(args())
 
 
+def test_lane_cpus_pin_every_lane_and_a_variants_setting_wins_in_its_lane():
+    first = min(os.sched_getaffinity(0))
+    a = args(lane_cpus=str(first), variant_env_vars={"BENCH_LANE_CPUS": "gpu-node"})
+    envs = speed.lane_envs(a)
+    assert envs["alone"]["BENCH_LANE_CPUS"] == envs["plugin"]["BENCH_LANE_CPUS"] == str(first)
+    assert envs["plugin+variant"]["BENCH_LANE_CPUS"] == "gpu-node"
+    assert "BENCH_LANE_CPUS" not in speed.lane_envs(args(variant_env_vars={}))["plugin"]
+    unset = dict(arms=None, concurrency=None, repeats=None, steps=None, profile_steps=None,
+                 input_len=None)  # fmt: skip
+    with pytest.raises(SystemExit, match="--lane-cpus: '0-' is not a cpulist"):
+        speed.defaults(args(**unset, variant_env=[], lane_cpus="0-"))
+    outside = f"BENCH_LANE_CPUS={max(os.sched_getaffinity(0)) + 1}"
+    with pytest.raises(SystemExit, match="--variant-env BENCH_LANE_CPUS: .* are not among"):
+        speed.defaults(args(**unset, variant_env=[outside], lane_cpus=""))
+
+
 def test_x_base_pairs_a_variants_repeats_with_the_arm_it_varies(configs):
     result = {
         "models": {"target_kind": "nvfp4"},
