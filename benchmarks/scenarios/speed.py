@@ -450,6 +450,12 @@ def by_repeat(ws: list[dict], key: str, repeats: int) -> list:
     return values
 
 
+def busy_ms(entry: dict | None, conc: int) -> float | None:
+    """GPU-busy ms per step of ``entry``'s profiled ``busy`` window at ``conc`` (None: none)."""
+    busy = next(iter(windows(entry, "busy", conc)), None) if entry else None
+    return busy.get("busy_ms_per_step") if busy else None
+
+
 def part_ms(split: dict | None, column: str) -> float | None:
     if not split or split.get("parts_ms_per_step") is None:
         return None
@@ -557,8 +563,7 @@ def ceiling_table(arms: dict, target_cfg: dict, drafts: dict, quantized: bool, a
             goal = GOALS.get(conc, 1.05)
             rest = wall_p - draft
             need = wall_a / goal - rest
-            busy_p = report.median(w.get("busy_ms_per_step") for w in windows(entry, "busy", conc))
-            busy_a = report.median(w.get("busy_ms_per_step") for w in windows(alone, "busy", conc))
+            busy_p, busy_a = busy_ms(entry, conc), busy_ms(alone, conc)
             on_gpu = (
                 f"{busy_a / busy_p:.3f}; {busy_a / (busy_p - draft + floor):.3f}"
                 if busy_a and busy_p else "-"
@@ -629,14 +634,13 @@ def reaches(mine: list, theirs: list) -> str:
 
 def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:
     walls = windows(entry, "wall", conc)
-    busy = next(iter(windows(entry, "busy", conc)), None)
     split = next(iter(windows(entry, "split", conc)), None)
     tok_s = by_repeat(walls, "tok_s", args.repeats)
     alone = arms.get(alone_twin(name) or "")
     plain = arms.get("plain") if base_of(name) != "plain" else None
     base = arms.get(base_of(name)) if is_variant(name) else None
     wall_ms = report.median(w["ms_per_step"] for w in walls)
-    busy_ms = busy.get("busy_ms_per_step") if busy else None
+    busy = busy_ms(entry, conc)
     fl = floors_for(name, entry, conc, target_cfg, drafts, quantized, args)
     floor_parts = " / ".join(
         report.fmt((fl or {}).get(p, {}).get("floor_ms"), "{:.2f}", "-")
@@ -653,9 +657,9 @@ def row(name, entry, conc, arms, target_cfg, drafts, quantized, args) -> list:
         report.fmt(report.median(w.get("acceptance_length") for w in walls)),
         report.fmt(report.median(w.get("tokens_per_step") for w in walls)),
         report.median_with_range([w["ms_per_step"] for w in walls], "{:.2f}"),
-        report.fmt(busy_ms),
+        report.fmt(busy),
         *(report.fmt(part_ms(split, c)) for c in ("target", "draft", "sampling", "rest")),
-        report.fmt(wall_ms - busy_ms if wall_ms is not None and busy_ms is not None else None),
+        report.fmt(wall_ms - busy if wall_ms is not None and busy is not None else None),
         gc_cell(walls), floor_parts, report.fmt((fl or {}).get("step", {}).get("floor_ms")),
         checks(entry, conc),
     ]  # fmt: skip
