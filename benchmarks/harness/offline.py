@@ -62,14 +62,22 @@ def max_tokens_for(num_spec: int, warmup_steps: int, steps: int) -> int:
     return (warmup_steps + steps + 8) * (num_spec + 1) + 16
 
 
+SLOW_CALL = 1.25  # a step() call this many times the window's median is a slow one
+SLOW_CALLS_KEPT = 32
+
+
 def call_spread(seconds: list[float]) -> dict | None:
     """Median, 90th percentile and longest of a window's ``step()`` calls, in ms: a wall time
-    above GPU-busy from a few long calls (a stall) or from every call (steady host work)."""
+    above GPU-busy from a few long calls (a stall) or from every call (steady host work); and
+    where the slow calls fell (``slow_at``: their indices in the window, the first 32), which
+    shows a period if they have one."""
     if not seconds:
         return None
     ms = sorted(v * 1e3 for v in seconds)
-    return {"p50": ms[len(ms) // 2], "p90": ms[min(len(ms) - 1, (9 * len(ms)) // 10)],
-            "max": ms[-1]}  # fmt: skip
+    p50 = ms[len(ms) // 2]
+    slow = [i for i, v in enumerate(seconds) if v * 1e3 > SLOW_CALL * p50]
+    return {"p50": p50, "p90": ms[min(len(ms) - 1, (9 * len(ms)) // 10)], "max": ms[-1],
+            "slow": len(slow), "slow_at": slow[:SLOW_CALLS_KEPT]}  # fmt: skip
 
 
 class GcPauses:

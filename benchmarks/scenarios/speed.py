@@ -332,6 +332,8 @@ def describe(w: dict) -> str:
     if calls:
         parts.append(f"step() p50 / p90 / max {calls['p50']:.2f} / {calls['p90']:.2f} / "
                      f"{calls['max']:.2f} ms")  # fmt: skip
+        if calls.get("slow"):
+            parts.append(f"{calls['slow']} slow (>{offline.SLOW_CALL}x p50) at {calls['slow_at']}")
     used = w.get("host")
     if used:
         parts.append(f"host CPU {used['thread_cpu_ms_per_step']:.2f} ms/step (process "

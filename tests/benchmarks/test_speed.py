@@ -546,6 +546,10 @@ def test_a_windows_step_calls_are_summarised_by_their_spread():
     from benchmarks.harness.offline import call_spread
 
     spread = call_spread([0.004] * 9 + [0.030])
-    assert spread == {"p50": 4.0, "p90": 30.0, "max": 30.0}
+    assert spread == {"p50": 4.0, "p90": 30.0, "max": 30.0, "slow": 1, "slow_at": [9]}
+    periodic = call_spread([0.006 if i % 3 == 1 else 0.004 for i in range(120)])
+    assert periodic["slow"] == 40 and periodic["slow_at"][:3] == [1, 4, 7]
+    assert len(periodic["slow_at"]) == 32  # the first ones only
+    assert call_spread([0.004, 0.0049, 0.004])["slow"] == 0  # under 1.25x the median
     assert call_spread([0.001, 0.003, 0.002])["p50"] == 2.0
     assert call_spread([]) is None
