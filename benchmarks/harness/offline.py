@@ -20,7 +20,9 @@ core runs here: a collection stops the step loop while the GPU drains what was l
 ``gc_ms_per_step`` and the collections by generation; the spread of its ``step()`` calls
 (``step_call_ms``: median, 90th percentile, longest); and its host use (``host``: the main
 thread's and the process's CPU time per step, the thread's context switches, the CPUs it ran on;
-``harness/host.py``).
+``harness/host.py``); with ``BENCH_HOST_PROFILE`` set (``speed --host-profile``), a wall window
+also records on what the host's step time went (``host_profile``: py-spy's samples by function,
+``harness/hostprof.py``).
 
 Kinds of window: ``wall`` (no profiler: wall time, tokens, spec-decode counters), ``busy`` (vLLM's
 torch profiler with CUDA activity only, ``llm.start_profile()`` / ``stop_profile()`` around the
@@ -39,7 +41,7 @@ import time
 import zlib
 from pathlib import Path
 
-from benchmarks.harness import arms, host, instrument, trace
+from benchmarks.harness import arms, host, hostprof, instrument, trace
 
 MAX_PREFILL_STEPS = 256
 PROFILED = ("busy", "split", "draft")
@@ -197,8 +199,14 @@ class OfflineEngine:
         try:
             self._past_prefill(counts, conc, warmup_steps)
             context = input_len + sum(counts.values()) / max(1, len(counts))
+            rate = hostprof.rate_from_env() if kind not in PROFILED else None
+            sampler = None
             if kind in PROFILED:
                 measured, trace_info = self._profiled(kind, counts, steps, ranges)
+            elif rate:
+                path = self.trace_dir / f"pyspy-{kind}-c{conc}-r{repeat}.txt"
+                with hostprof.Sampler(path, rate) as sampler:
+                    measured, trace_info = self._timed(counts, steps), {}
             else:
                 measured, trace_info = self._timed(counts, steps), {}
         finally:
@@ -221,6 +229,8 @@ class OfflineEngine:
             "gc_collections": measured["gc_collections"],
             "step_call_ms": measured["step_call_ms"], "host": measured["host"],
         }  # fmt: skip
+        if sampler is not None:
+            out["host_profile"] = sampler.profile(counted)
         if trace_info:
             out.update(self._read_trace(kind, trace_info, counted, analyse))
         return out

@@ -44,7 +44,7 @@ import json
 import os
 from pathlib import Path
 
-from benchmarks.harness import environment, floors, host, lanes, offline, report
+from benchmarks.harness import environment, floors, host, hostprof, lanes, offline, report
 from benchmarks.harness.arms import (
     VARIANT,
     alone_twin,
@@ -122,6 +122,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pin every engine's process to these CPUs: gpu-node (the GPU's NUMA "
                    "node) or a cpulist such as 0-7 (default: unpinned); a variant's lane alone: "
                    "--variant-env BENCH_LANE_CPUS=SPEC")  # fmt: skip
+    p.add_argument("--host-profile", type=int, nargs="?", const=hostprof.DEFAULT_RATE, default=0,
+                   metavar="RATE",
+                   help="sample every wall window's engine thread with py-spy (RATE samples a "
+                   f"second, default {hostprof.DEFAULT_RATE}; py-spy must be on PATH and may "
+                   "read the lanes' memory): the host table says on what a step's host time "
+                   "went, by function (harness/hostprof.py)")  # fmt: skip
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help="HBM bandwidth of the floors (default by GPU: H200 4.3, H100 3.0 TB/s, "
                    "~90%% of nominal; harness/floors.py)")  # fmt: skip
@@ -235,6 +241,9 @@ def lane_envs(args) -> dict[str, dict]:
     if getattr(args, "lane_cpus", ""):
         for env in envs.values():
             env[host.LANE_CPUS] = args.lane_cpus
+    if getattr(args, "host_profile", 0):
+        for env in envs.values():
+            env[hostprof.ENV] = str(args.host_profile)
     for side in list(envs):
         envs[side + VARIANT] = {**envs[side], **args.variant_env_vars}
     return envs
@@ -340,6 +349,9 @@ def describe(w: dict) -> str:
                      f"{used['process_cpu_ms_per_step']:.2f}), switches "
                      f"{used['voluntary_switches_per_step']:.1f} / "
                      f"{used['involuntary_switches_per_step']:.1f} per step, CPUs {used['cpus']}")  # fmt: skip
+    profile = w.get("host_profile")
+    if profile:
+        parts.append(f"py-spy: {profile.get('error') or hostprof.describe(profile)}")
     if not w.get("decode_only"):
         parts.append(f"NOT decode-only: {w.get('shapes')}")
     return ", ".join(parts)
@@ -363,7 +375,7 @@ def run(args) -> int:
         k: DraftSpec.from_pretrained(p) for k, p in models.drafts.items()
     }
     params = {k: getattr(args, k) for k in ("concurrency", "repeats", "steps", "profile_steps",
-              "warmup_steps", "input_len", "target", "bandwidth_tbs", "lane_cpus")}  # fmt: skip
+              "warmup_steps", "input_len", "target", "bandwidth_tbs", "lane_cpus", "host_profile")}  # fmt: skip
     result = {
         "scenario": NAME,
         "params": params,
@@ -523,7 +535,45 @@ def tables(result: dict, target_cfg: dict, drafts: dict, quantized: bool, args) 
             table.add(*row(name, entry, conc, arms, target_cfg, drafts, quantized, args))
     ceiling = ceiling_table(arms, target_cfg, drafts, quantized, args)
     scheduled = schedule_table(arms, args)
-    return [table] + [t for t in (ceiling, scheduled) if t.rows]
+    return [table] + [t for t in (ceiling, scheduled, host_table(arms, args)) if t.rows]
+
+
+HOST_COLUMNS = [
+    "arm", "conc", "wall ms/step", "engine thread CPU ms/step", "CPU / wall", "GPU-busy ms/step",
+    "py-spy: ms/step in step()", "where the host's step goes (ms/step)",
+]  # fmt: skip
+HOST_NOTES = [
+    "The wall windows' engine thread (the engine core runs in it), median [min-max] over the "
+    "windows. CPU / wall near 1 with the wall above GPU-busy: the step waits on the host, and "
+    "the GPU idles for the difference. With --host-profile, py-spy's samples of the thread "
+    "inside vLLM's step() over all of a cell's wall windows, in ms a step: the functions "
+    f"holding the most of it (those holding {hostprof.WIDE:.0%} or more left out: wrappers), "
+    "a function's callees included in its time.",
+]
+
+
+def host_table(arms: dict, args):
+    """Where each cell's host time goes: the engine thread's CPU time beside the wall and
+    GPU-busy, and with ``--host-profile`` py-spy's top functions."""
+    table = report.Table("The host's part of a step", list(HOST_COLUMNS), notes=list(HOST_NOTES))
+    for name, entry in arms.items():
+        for conc in args.concurrency:
+            walls = [w for w in windows(entry, "wall", conc) if w.get("host")]
+            if not walls:
+                continue
+            cpu = [w["host"]["thread_cpu_ms_per_step"] for w in walls]
+            wall = [w["ms_per_step"] for w in walls]
+            share = report.median(c / m for c, m in zip(cpu, wall) if m)
+            profile = hostprof.merge([w.get("host_profile") for w in walls])
+            errors = {w["host_profile"]["error"] for w in walls
+                      if (w.get("host_profile") or {}).get("error")}  # fmt: skip
+            in_step = report.fmt(profile and hostprof.ms_per_step(profile, profile["step"]))
+            where = ("; ".join(f"{k} {v:.2f}" for k, v in hostprof.top_functions(profile))
+                     if profile else "; ".join(sorted(errors)))  # fmt: skip
+            table.add(name, conc, report.median_with_range(wall, "{:.2f}"),
+                      report.median_with_range(cpu, "{:.2f}"), report.fmt(share),
+                      report.fmt(busy_ms(entry, conc)), in_step, where)  # fmt: skip
+    return table
 
 
 GOALS = {1: 1.10}  # the plugin over vLLM alone: 1.10x at concurrency 1, 1.05x elsewhere

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.background import Jobs, start_early
+from tests.benchmarks import fake_pyspy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,10 +31,10 @@ def smoke_jobs():
     jobs.close()
 
 
-def _smoke(jobs, base: Path, name: str, *args):
+def _smoke(jobs, base: Path, name: str, *args, env_over: dict | None = None):
     """``run.py NAME --smoke --out BASE/out --models-dir BASE/m ARGS``, submitted: a future of
     ``(out, the finished process)``."""
-    out, env = base / "out", dict(os.environ)
+    out, env = base / "out", {**os.environ, **(env_over or {})}
     argv = (name, "--smoke", "--out", out, "--models-dir", base / "m", *args)
     return jobs.submit(lambda: (out, run_py(*argv, env=env)))
 
@@ -80,13 +81,16 @@ def speed_run(smoke_jobs, tmp_path_factory):
 def speed_variant_run(smoke_jobs, tmp_path_factory):
     """The plugin's DSpark engine beside its variant: another seed, an environment variable
     that vLLM names in its log (an unknown ``VLLM_`` one), and the variant's lane pinned to the
-    first CPU this process may use."""
+    first CPU this process may use; every wall window sampled by a stand-in py-spy
+    (``fake_pyspy``) first on PATH."""
     base = tmp_path_factory.mktemp("speed-variant")
     first_cpu = min(os.sched_getaffinity(0))
+    fake_pyspy.install(base / "bin")
     return _smoke(smoke_jobs, base, "speed", "--concurrency", "1", "--steps", "3",
                   "--profile-steps", "0", "--warmup-steps", "1", "--arms", "dspark3-plugin",
                   "--variant-engine-arg", "seed=7", "--variant-env", "VLLM_SPEED_VARIANT_PROBE=1",
-                  "--variant-env", f"BENCH_LANE_CPUS={first_cpu}")  # fmt: skip
+                  "--variant-env", f"BENCH_LANE_CPUS={first_cpu}", "--host-profile", "200",
+                  env_over={"PATH": fake_pyspy.path_with(base / "bin")})  # fmt: skip
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -293,13 +293,20 @@ def test_speed_smoke_runs_every_path_on_cpu(speed_run):
     split = plugin["windows"][-1]
     assert {"target", "draft", "sampling"} <= set(split["parts_ms_per_step"])
     assert any("propose_draft_token_ids -> draft" in r for r in split["ranges"])
-    assert (out / "speed.md").read_text().count("| dspark3-plugin | 2 |") == 1
+    report = (out / "speed.md").read_text()
+    main_table, host_table = (
+        report.split("\n## ")[1],
+        report.split("## The host's part of a step")[1],
+    )
+    assert main_table.count("| dspark3-plugin | 2 |") == 1
+    # no --host-profile: the host table has the engine thread's CPU time and no py-spy samples
+    host_row = next(x for x in host_table.splitlines() if x.startswith("| dspark3-plugin | 2 |"))
+    assert host_row.split(" | ")[3].strip() and host_row.split(" | ")[6].strip() == ""
     # the tuned arm served k=1 at two requests (its decode-shape check: 2 tokens per request)
     tuned = result["arms"]["dspark3-tuned"]
     assert tuned["status"] == "ok"
     assert all(w["decode_only"] for w in tuned["windows"])
     assert all(w["tokens"] <= 2 * 2 * w["steps"] for w in tuned["windows"] if w["kind"] == "wall")
-    report = (out / "speed.md").read_text()
     assert "tune's schedule against fixed k and plain decoding" in report
     assert "| dspark3-tuned | 2 | 1 |" in report
 
@@ -307,10 +314,11 @@ def test_speed_smoke_runs_every_path_on_cpu(speed_run):
 @pytest.mark.engine
 def test_a_variant_runs_beside_its_base_in_a_lane_with_its_environment(speed_variant_run):
     """``run.py speed --smoke --arms dspark3-plugin --variant-engine-arg seed=7 --variant-env
-    VLLM_SPEED_VARIANT_PROBE=1 --variant-env BENCH_LANE_CPUS=<first CPU>``: two engines, the
-    variant's alone started with the argument, in a process with the variable (each engine's log
-    says what it got) and stepping on the one CPU it is pinned to; the variant's repeats paired
-    with the base's."""
+    VLLM_SPEED_VARIANT_PROBE=1 --variant-env BENCH_LANE_CPUS=<first CPU> --host-profile 200``:
+    two engines, the variant's alone started with the argument, in a process with the variable
+    (each engine's log says what it got) and stepping on the one CPU it is pinned to; the
+    variant's repeats paired with the base's; every wall window of both sampled by (the
+    stand-in) py-spy, and the report's host table names what it sampled."""
     out, done = speed_variant_run.result()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "speed.json").read_text())
@@ -336,6 +344,12 @@ def test_a_variant_runs_beside_its_base_in_a_lane_with_its_environment(speed_var
     assert variant["info"]["lane_cpus"] == [first_cpu] and base["info"]["lane_cpus"] == "all"
     walls = [w for w in variant["windows"] if w["kind"] == "wall"]
     assert walls and all(w["host"]["cpus"] == [first_cpu] for w in walls)
+    # --host-profile 200: every wall window of both lanes sampled (the stand-in's stacks)
+    for w in walls + [w for w in base["windows"] if w["kind"] == "wall"]:
+        assert w["host_profile"]["rate"] == 200 and w["host_profile"]["step"] == 60, w
+    assert "## The host's part of a step" in report
+    assert "build (backends/mamba2_attn.py)" in report
+    assert variant["fingerprint"]["params"]["host_profile"] == 200
 
 
 def test_a_later_run_in_the_same_out_keeps_what_the_earlier_one_measured():
@@ -553,3 +567,50 @@ def test_a_windows_step_calls_are_summarised_by_their_spread():
     assert call_spread([0.004, 0.0049, 0.004])["slow"] == 0  # under 1.25x the median
     assert call_spread([0.001, 0.003, 0.002])["p50"] == 2.0
     assert call_spread([]) is None
+
+
+def test_the_host_table_sets_the_engine_threads_cpu_beside_the_wall_and_the_gpu(configs):
+    """A cell whose engine thread used the whole wall time a step (host-bound), its py-spy
+    samples' top functions; a cell whose sampler could not attach names why."""
+    from benchmarks.harness import hostprof
+    from tests.benchmarks import fake_pyspy
+
+    raw = "".join(f"{k} {v}\n" for k, v in fake_pyspy.STACKS.items())
+    e = entry([100] * 3, [5.0, 5.2, 4.8], busy=4.0)
+    for w, cpu in zip([w for w in e["windows"] if w["kind"] == "wall"], [5.0, 5.2, 4.8]):
+        w["steps"] = 8
+        w["host"] = {"thread_cpu_ms_per_step": cpu}
+        w["host_profile"] = {"rate": 400, "steps": 8, **hostprof.count_samples(raw)}
+    other = entry([100] * 3, [6.0] * 3, busy=6.0)
+    for w in other["windows"]:
+        if w["kind"] == "wall":
+            w["host"] = {"thread_cpu_ms_per_step": 3.0}
+            w["host_profile"] = {"error": "py-spy could not sample: Permission Denied"}
+    result = {"models": {"target_kind": "nvfp4"},
+              "arms": {"dspark3-plugin": e, "dspark3-alone": other, "plain": entry([1] * 3, [1] * 3)}}  # fmt: skip
+    host = next(t for t in speed.tables(result, *configs, True, args()) if "host" in t.title)
+    rows = {r[0]: dict(zip(host.columns, r)) for r in host.rows}
+    assert set(rows) == {"dspark3-plugin", "dspark3-alone"}  # plain's windows have no host use
+    plugin, alone = rows["dspark3-plugin"], rows["dspark3-alone"]
+    assert plugin["engine thread CPU ms/step"] == "5.00 [4.80-5.20]"
+    assert plugin["CPU / wall"] == "1.00" and plugin["GPU-busy ms/step"] == "4.00"
+    # 60 samples at 400 a second over 8 steps, in each of three windows
+    assert plugin["py-spy: ms/step in step()"] == "18.75"
+    assert plugin["where the host's step goes (ms/step)"].startswith(
+        "build (backends/mamba2_attn.py) 7.81; sample_tokens (gpu/model_runner.py) 6.25"
+    )
+    assert alone["CPU / wall"] == "0.50" and alone["py-spy: ms/step in step()"] == ""
+    assert alone["where the host's step goes (ms/step)"] == (
+        "py-spy could not sample: Permission Denied"
+    )
+    no_host = {"dspark3-plugin": entry([1] * 3, [1] * 3), "dspark3-alone": entry([1] * 3, [1] * 3)}
+    assert (
+        len(speed.tables({**result, "arms": no_host}, *configs, True, args())) == 2
+    )  # no host table
+
+
+def test_host_profile_reaches_every_lane_as_its_rate():
+    envs = speed.lane_envs(args(host_profile=250, variant_env_vars={"X": "1"}))
+    assert {env.get("BENCH_HOST_PROFILE") for env in envs.values()} == {"250"}
+    envs = speed.lane_envs(args(host_profile=0, variant_env_vars={}))
+    assert not any("BENCH_HOST_PROFILE" in env for env in envs.values())
