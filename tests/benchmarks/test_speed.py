@@ -299,6 +299,9 @@ def test_speed_smoke_runs_every_path_on_cpu(speed_run):
         report.split("## The host's part of a step")[1],
     )
     assert main_table.count("| dspark3-plugin | 2 |") == 1
+    from benchmarks.harness import host
+
+    assert f"; CPUs: {host.machine_layout()}" in main_table  # the machine line names the layout
     # no --host-profile: the host table has the engine thread's CPU time and no py-spy samples
     host_row = next(x for x in host_table.splitlines() if x.startswith("| dspark3-plugin | 2 |"))
     assert host_row.split(" | ")[3].strip() and host_row.split(" | ")[6].strip() == ""
@@ -350,6 +353,7 @@ def test_a_variant_runs_beside_its_base_in_a_lane_with_its_environment(speed_var
     assert "## The host's part of a step" in report
     assert "build (backends/mamba2_attn.py)" in report
     assert variant["fingerprint"]["params"]["host_profile"] == 200
+    assert variant["fingerprint"]["params"]["lane_cpus"] == ""  # the variant's own is in its env
 
 
 def test_a_later_run_in_the_same_out_keeps_what_the_earlier_one_measured():
