@@ -152,6 +152,9 @@ def defaults(args) -> None:
         host.check(args.lane_cpus, "--lane-cpus")
     if args.variant_env_vars.get(host.LANE_CPUS):
         host.check(args.variant_env_vars[host.LANE_CPUS], f"--variant-env {host.LANE_CPUS}")
+    if getattr(args, "host_profile", 0) < 0:
+        raise SystemExit(f"--host-profile: {args.host_profile} samples a second; give a positive "
+                         "rate, or leave the option out")  # fmt: skip
 
 
 def has_variant(args) -> bool:

@@ -618,3 +618,7 @@ def test_host_profile_reaches_every_lane_as_its_rate():
     assert {env.get("BENCH_HOST_PROFILE") for env in envs.values()} == {"250"}
     envs = speed.lane_envs(args(host_profile=0, variant_env_vars={}))
     assert not any("BENCH_HOST_PROFILE" in env for env in envs.values())
+    unset = dict(arms=None, concurrency=None, repeats=None, steps=None, profile_steps=None,
+                 input_len=None, variant_env=[], lane_cpus="")  # fmt: skip
+    with pytest.raises(SystemExit, match="--host-profile: -5 samples a second"):
+        speed.defaults(args(**unset, host_profile=-5))
