@@ -23,7 +23,10 @@ second table gives the ceiling of what the plugin controls: per plugin arm, its 
 alone with the draft step at its floor, and the draft step the goal (1.10x at concurrency 1,
 1.05x elsewhere) needs. With ``--schedule FILE`` (what ``tune --out`` wrote) the arm ``tuned``
 serves that per-batch-size schedule through the plugin, and a third table sets it beside the
-best fixed-k arm of its draft and plain decoding at each concurrency.
+best fixed-k arm of its draft and plain decoding at each concurrency. The last table is the
+host's part: the engine thread's CPU time a step beside the wall and GPU-busy (CPU near the wall,
+wall above GPU-busy: the step waits on the host), and with ``--host-profile`` the functions
+py-spy found holding it.
 
 A/B of one engine setting (``--variant-engine-arg``, ``--variant-spec-arg``, ``--variant-env``):
 every arm ``A`` of ``--arms`` runs beside ``A+variant``, the same arm with those settings added,
@@ -125,8 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-profile", type=int, nargs="?", const=hostprof.DEFAULT_RATE, default=0,
                    metavar="RATE",
                    help="sample every wall window's engine thread with py-spy (RATE samples a "
-                   f"second, default {hostprof.DEFAULT_RATE}; py-spy must be on PATH and may "
-                   "read the lanes' memory): the host table says on what a step's host time "
+                   f"second, default {hostprof.DEFAULT_RATE}; py-spy on PATH, allowed to read "
+                   "the lanes' memory): the host table says on what a step's host time "
                    "went, by function (harness/hostprof.py)")  # fmt: skip
     p.add_argument("--bandwidth-tbs", type=float, default=None,
                    help="HBM bandwidth of the floors (default by GPU: H200 4.3, H100 3.0 TB/s, "
