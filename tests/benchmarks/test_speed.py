@@ -132,6 +132,9 @@ def test_arm_spec_follows_the_recipe_and_the_layout():
     )  # fmt: skip
     assert eng["kv_cache_memory_bytes"] == 20 << 30
     assert eng["compilation_config"] == {"max_cudagraph_capture_size": 64}
+    assert eng["max_num_seqs"] == 16
+    # one request alone builds the same engine: the compile cache of one serves the other
+    assert speed.arm_spec("dspark3-plugin", args(concurrency=[1]), m, True)["engine"] == eng
     sc = spec["speculative"]
     assert (
         sc["rejection_sample_method"] == "synthetic" and len(sc["synthetic_acceptance_rates"]) == 3
