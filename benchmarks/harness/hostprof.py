@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ WINDOW_FRAME = "OfflineEngine._timed ("  # the harness's timed loop (harness/off
 STEP_FRAME = "LLMEngine.step ("  # vLLM's engine step, the unit of the report
 KEPT = 40  # functions kept per window (by inclusive samples)
 WIDE = 0.5  # a function holding this share of the step or more is a wrapper, not an answer
+ATTACH_TIMEOUT_S = 30.0  # py-spy's attach message, at most this late
 
 _FRAME = re.compile(r"^(?P<name>.*?) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
@@ -125,11 +127,16 @@ class Sampler:
                "--nonblocking", "--idle", "--format", "raw", "-o", str(self.path)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)  # fmt: skip
-        first = self.proc.stderr.readline()  # py-spy says "Sampling process ..." once attached
+        # py-spy says "Sampling process ..." once attached; a silent one must not hold the window
+        ready, _, _ = select.select([self.proc.stderr], [], [], ATTACH_TIMEOUT_S)
+        first = self.proc.stderr.readline() if ready else ""
         if "Sampling" not in first:
+            if not ready:
+                self.proc.kill()
             self.proc.wait(timeout=30)
             rest = self.proc.stderr.read()
-            self.error = f"py-spy could not sample: {(first + rest).strip()[:300]}"
+            said = (first + rest).strip()[:300] or f"nothing within {ATTACH_TIMEOUT_S} s"
+            self.error = f"py-spy could not sample: {said}"
             self.proc = None
         return self
 

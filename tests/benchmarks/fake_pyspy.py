@@ -2,7 +2,7 @@
 memory, which a test machine need not grant): ``py-spy record ... -o FILE`` says it is
 sampling, waits for Ctrl-C as py-spy does, and writes raw stacks shaped as the harness's timed
 window over vLLM's engine step (:data:`STACKS`). ``FAKE_PYSPY_FAIL`` makes it refuse to attach,
-as py-spy does without the permission."""
+as py-spy does without the permission; ``FAKE_PYSPY_SILENT`` makes it hang without a word."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ STACKS = {  # stack -> samples
 SCRIPT = """#!{python}
 import os, signal, sys, time
 args = sys.argv[1:]
+if os.environ.get("FAKE_PYSPY_SILENT"):
+    time.sleep(60)
 if os.environ.get("FAKE_PYSPY_FAIL"):
     print("Error: Permission Denied: Try running again with elevated permissions", file=sys.stderr)
     sys.exit(1)

@@ -59,3 +59,13 @@ def test_a_sampler_that_cannot_attach_says_why_and_the_window_goes_on(tmp_path, 
     with hostprof.Sampler(tmp_path / "spy.txt", 400) as sampler:
         pass
     assert sampler.profile(8) == {"error": "py-spy not found on PATH (pip install py-spy)"}
+
+
+def test_a_silent_py_spy_is_stopped_and_named_not_waited_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", fake_pyspy.path_with(tmp_path / "bin"))
+    fake_pyspy.install(tmp_path / "bin")
+    monkeypatch.setenv("FAKE_PYSPY_SILENT", "1")
+    monkeypatch.setattr(hostprof, "ATTACH_TIMEOUT_S", 0.5)
+    with hostprof.Sampler(tmp_path / "spy.txt", 400) as sampler:
+        pass
+    assert sampler.profile(8) == {"error": "py-spy could not sample: nothing within 0.5 s"}
