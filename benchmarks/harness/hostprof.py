@@ -75,17 +75,17 @@ def count_samples(raw: str) -> dict:
 
 
 def merge(profiles: list[dict]) -> dict | None:
-    """A cell's windows together: samples and steps summed (each window's ``host_profile``)."""
+    """A cell's windows together: samples, steps and inclusive counts summed (each window's
+    ``host_profile``; the report reads no self counts)."""
     good = [p for p in profiles if p and not p.get("error")]
     if not good:
         return None
     total = {"window": 0, "step": 0, "steps": 0, "inclusive": collections.Counter(),
-             "self": collections.Counter(), "rate": good[0]["rate"]}  # fmt: skip
+             "rate": good[0]["rate"]}  # fmt: skip
     for p in good:
         for key in ("window", "step", "steps"):
             total[key] += p[key]
         total["inclusive"].update(p["inclusive"])
-        total["self"].update(p["self"])
     return total
 
 

@@ -200,15 +200,13 @@ class OfflineEngine:
             self._past_prefill(counts, conc, warmup_steps)
             context = input_len + sum(counts.values()) / max(1, len(counts))
             rate = hostprof.rate_from_env() if kind not in PROFILED else None
-            sampler = None
+            path = self.trace_dir / f"pyspy-{kind}-c{conc}-r{repeat}.txt"
+            sampler = hostprof.Sampler(path, rate) if rate else None
             if kind in PROFILED:
                 measured, trace_info = self._profiled(kind, counts, steps, ranges)
-            elif rate:
-                path = self.trace_dir / f"pyspy-{kind}-c{conc}-r{repeat}.txt"
-                with hostprof.Sampler(path, rate) as sampler:
-                    measured, trace_info = self._timed(counts, steps), {}
             else:
-                measured, trace_info = self._timed(counts, steps), {}
+                with sampler or contextlib.nullcontext():
+                    measured, trace_info = self._timed(counts, steps), {}
         finally:
             self._drain(ids)
         counted, shapes = measured["steps"], measured["shapes"]

@@ -44,12 +44,16 @@ print("py-spy> Wrote raw flamegraph data", file=sys.stderr)
 """
 
 
+def raw() -> str:
+    """:data:`STACKS` in py-spy's raw format, as the stand-in writes them."""
+    return "".join(f"{k} {v}\n" for k, v in STACKS.items())
+
+
 def install(bin_dir: Path) -> Path:
     """Write the stand-in as ``BIN_DIR/py-spy``; put BIN_DIR first on PATH to use it."""
     bin_dir.mkdir(parents=True, exist_ok=True)
-    stacks = "".join(f"{k} {v}\n" for k, v in STACKS.items())
     exe = bin_dir / "py-spy"
-    exe.write_text(SCRIPT.format(python=sys.executable, stacks=stacks))
+    exe.write_text(SCRIPT.format(python=sys.executable, stacks=raw()))
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return exe
 

@@ -7,7 +7,7 @@ import pytest
 from benchmarks.harness import hostprof
 from tests.benchmarks import fake_pyspy
 
-RAW = "".join(f"{k} {v}\n" for k, v in fake_pyspy.STACKS.items())
+RAW = fake_pyspy.raw()
 
 
 def test_only_samples_inside_the_timed_window_count_and_each_function_once_a_sample():

@@ -582,7 +582,7 @@ def test_the_host_table_sets_the_engine_threads_cpu_beside_the_wall_and_the_gpu(
     from benchmarks.harness import hostprof
     from tests.benchmarks import fake_pyspy
 
-    raw = "".join(f"{k} {v}\n" for k, v in fake_pyspy.STACKS.items())
+    raw = fake_pyspy.raw()
     e = entry([100] * 3, [5.0, 5.2, 4.8], busy=4.0)
     for w, cpu in zip([w for w in e["windows"] if w["kind"] == "wall"], [5.0, 5.2, 4.8]):
         w["steps"] = 8
