@@ -77,6 +77,9 @@ class EngineFacts:
     draft_linear_kernels: set[tuple[str, str | None, str | None]] = field(default_factory=set)
     """(linear method, compressed-tensors scheme, NVFP4 kernel) of the draft's quantized
     linears."""
+    mamba_groups: list[bool] = field(default_factory=list)
+    """Per Mamba KV-cache group of the target: whether its builder shares the first group's
+    metadata (``patches/v2_mamba_group_metadata_reuse.py``)."""
 
 
 def _attention_backends(groups, keep=lambda name: True) -> dict[str, str]:
@@ -92,6 +95,19 @@ def _attention_backends(groups, keep=lambda name: True) -> dict[str, str]:
         for layer in group.layer_names
         if keep(layer)
     }
+
+
+def _mamba_groups(groups) -> list[bool]:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm_nemotron_spec.patches.v2_mamba_group_metadata_reuse import MARK
+
+    return [
+        bool(getattr(group.get_metadata_builder(0), MARK, False))
+        for per_kv_group in groups
+        for group in per_kv_group
+        if isinstance(group.kv_cache_spec, MambaSpec)
+    ]
 
 
 def _linear_kernels(model) -> set[tuple[str, str | None, str | None]]:
@@ -139,6 +155,7 @@ def _facts_in_worker(worker) -> EngineFacts:
         draft_backends=draft,
         flash_attn_versions=versions,
         draft_linear_kernels=set() if draft_model is None else _linear_kernels(draft_model),
+        mamba_groups=_mamba_groups(runner.attn_groups),
     )
 
 

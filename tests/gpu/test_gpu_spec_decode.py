@@ -52,6 +52,16 @@ def test_draft_is_routed_to_the_plugins_class_under_v2(fp32_runs, name):
     assert facts.draft_backends, "the speculator built no attention group for the draft's layers"
 
 
+@pytest.mark.parametrize("name", ["plain", *DRAFTS])
+def test_mamba_groups_share_metadata_under_routed_drafts(fp32_runs, name):
+    """The tiny target's six Mamba layers form three KV-cache groups; with a routed draft on
+    model runner V2 every group's builder takes the first group's metadata (so the lossless
+    checks here run with it); without a draft the patch leaves vLLM's builders as they are."""
+    groups = fp32_runs[name].facts.mamba_groups
+    assert len(groups) > 1, groups
+    assert groups == [name != "plain"] * len(groups), groups
+
+
 @pytest.mark.parametrize("name", list(DRAFTS))
 def test_greedy_speculative_decoding_is_lossless(fp32_runs, prompts, name):
     plain, run = fp32_runs["plain"], fp32_runs[name]

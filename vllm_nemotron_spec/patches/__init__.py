@@ -231,6 +231,15 @@ PATCHES: tuple[Patch, ...] = (
         "when upstream's Mamba capture accepts every 1 + k of the schedule",
     ),
     Patch(
+        "v2_mamba_group_metadata_reuse",
+        "v1.attention.backends.mamba2_attn.Mamba2AttentionMetadataBuilder.__init__",
+        False,
+        "with a draft, every Mamba KV-cache group of the target rebuilds the same metadata each "
+        "step (four builds on Lightning, ~1 ms of host time a step on an H200)",
+        "not reported yet (docs/upstream.md); vLLM's GDN builder already shares it on V2",
+        "when upstream's Mamba builder shares batch-level metadata under speculative decoding",
+    ),
+    Patch(
         "engine_core_spec_tokens",
         "v1.engine.core.EngineCore.nemotron_spec_set_num_spec_tokens (added)",
         False,
