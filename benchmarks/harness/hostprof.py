@@ -108,6 +108,9 @@ def describe(profile: dict, n: int = 3) -> str:
     return f"{ms_per_step(profile, profile['step']):.2f} ms/step sampled in step(): {top}"
 
 
+_gave_up = ""  # why py-spy could not sample this process, once it could not
+
+
 class Sampler:
     """While active (``with``): py-spy records this process into ``path``; :attr:`error` says
     why not where it could not."""
@@ -118,25 +121,30 @@ class Sampler:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Sampler:
+        global _gave_up
         exe = shutil.which("py-spy")
         if exe is None:
             self.error = "py-spy not found on PATH (pip install py-spy)"
             return self
+        if _gave_up:  # each failed attach costs up to ATTACH_TIMEOUT_S of the device's time
+            self.error = f"{_gave_up} (in an earlier window of this process; not tried again)"
+            return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [exe, "record", "--pid", str(os.getpid()), "--rate", str(self.rate),
                "--nonblocking", "--idle", "--format", "raw", "-o", str(self.path)]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # py-spy prints "Sampling process ..." on STDOUT once attached, its errors on stderr
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)  # fmt: skip
-        # py-spy says "Sampling process ..." once attached; a silent one must not hold the window
-        ready, _, _ = select.select([self.proc.stderr], [], [], ATTACH_TIMEOUT_S)
-        first = self.proc.stderr.readline() if ready else ""
+        # a silent py-spy must not hold the window
+        ready, _, _ = select.select([self.proc.stdout], [], [], ATTACH_TIMEOUT_S)
+        first = self.proc.stdout.readline() if ready else ""
         if "Sampling" not in first:
             if not ready:
                 self.proc.kill()
             self.proc.wait(timeout=30)
-            rest = self.proc.stderr.read()
+            rest = self.proc.stdout.read()
             said = (first + rest).strip()[:300] or f"nothing within {ATTACH_TIMEOUT_S} s"
-            self.error = f"py-spy could not sample: {said}"
+            self.error = _gave_up = f"py-spy could not sample: {said}"
             self.proc = None
         return self
 

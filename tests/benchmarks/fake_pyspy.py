@@ -34,13 +34,13 @@ if os.environ.get("FAKE_PYSPY_FAIL"):
 out = args[args.index("-o") + 1]
 stop = []
 signal.signal(signal.SIGINT, lambda *a: stop.append(1))
-print("py-spy> Sampling process 400 times a second. Press Control-C to exit.", file=sys.stderr,
-      flush=True)
+# as py-spy: its messages on stdout (Rust's println!, line-buffered), its errors on stderr
+print("py-spy> Sampling process 400 times a second. Press Control-C to exit.", flush=True)
 while not stop:
     time.sleep(0.01)
 with open(out, "w") as f:
     f.write({stacks!r})
-print("py-spy> Wrote raw flamegraph data", file=sys.stderr)
+print("py-spy> Wrote raw flamegraph data")
 """
 
 

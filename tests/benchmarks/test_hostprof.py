@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from benchmarks.harness import hostprof
@@ -38,6 +40,12 @@ def test_a_cells_windows_merge_and_its_top_functions_leave_the_wrappers_out():
     assert hostprof.merge([{"error": "x"}]) is None
 
 
+@pytest.fixture(autouse=True)
+def _fresh_process(monkeypatch):
+    """Each test a process whose py-spy has not failed yet."""
+    monkeypatch.setattr(hostprof, "_gave_up", "")
+
+
 def test_the_sampler_records_its_own_process_until_the_window_ends(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", fake_pyspy.path_with(tmp_path / "bin"))
     fake_pyspy.install(tmp_path / "bin")
@@ -69,3 +77,23 @@ def test_a_silent_py_spy_is_stopped_and_named_not_waited_for(tmp_path, monkeypat
     with hostprof.Sampler(tmp_path / "spy.txt", 400) as sampler:
         pass
     assert sampler.profile(8) == {"error": "py-spy could not sample: nothing within 0.5 s"}
+
+
+def test_after_py_spy_failed_once_later_windows_do_not_wait_for_it(tmp_path, monkeypatch):
+    """A py-spy that could not attach costs its window up to ATTACH_TIMEOUT_S; the process's
+    later windows name the first failure at once instead of paying that again."""
+    monkeypatch.setenv("PATH", fake_pyspy.path_with(tmp_path / "bin"))
+    fake_pyspy.install(tmp_path / "bin")
+    monkeypatch.setenv("FAKE_PYSPY_SILENT", "1")
+    monkeypatch.setattr(hostprof, "ATTACH_TIMEOUT_S", 0.5)
+    with hostprof.Sampler(tmp_path / "spy.txt", 400):
+        pass
+    monkeypatch.delenv("FAKE_PYSPY_SILENT")  # would sample now, but is not asked again
+    started = time.monotonic()
+    with hostprof.Sampler(tmp_path / "spy2.txt", 400) as sampler:
+        pass
+    assert time.monotonic() - started < 0.5 and not (tmp_path / "spy2.txt").exists()
+    assert sampler.profile(8) == {
+        "error": "py-spy could not sample: nothing within 0.5 s (in an earlier window of this "
+        "process; not tried again)"
+    }

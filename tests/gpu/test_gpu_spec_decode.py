@@ -53,13 +53,16 @@ def test_draft_is_routed_to_the_plugins_class_under_v2(fp32_runs, name):
 
 
 @pytest.mark.parametrize("name", ["plain", *DRAFTS])
-def test_mamba_groups_share_metadata_under_routed_drafts(fp32_runs, name):
-    """The tiny target's six Mamba layers form three KV-cache groups; with a routed draft on
-    model runner V2 every group's builder takes the first group's metadata (so the lossless
-    checks here run with it); without a draft the patch leaves vLLM's builders as they are."""
+def test_mamba_builders_share_metadata_under_routed_drafts(fp32_runs, name):
+    """With a routed draft on model runner V2 every Mamba builder of the target takes the first
+    group's metadata (``patches/v2_mamba_group_metadata_reuse.py``); without a draft the patch
+    leaves vLLM's builders alone. The tiny target's six Mamba layers form three KV-cache groups
+    beside DSpark's draft layers (one beside DFlash's, seen on an H100): the lossless DSpark
+    runs check steps whose later groups re-gathered their own state indices."""
     groups = fp32_runs[name].facts.mamba_groups
-    assert len(groups) > 1, groups
-    assert groups == [name != "plain"] * len(groups), groups
+    assert groups and groups == [name != "plain"] * len(groups), groups
+    if name.startswith("dspark"):
+        assert len(groups) > 1, groups
 
 
 @pytest.mark.parametrize("name", list(DRAFTS))
