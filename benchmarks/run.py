@@ -1,7 +1,7 @@
 """The benchmarks' one entry point: ``python3 benchmarks/run.py SCENARIO --out DIR [--smoke]``.
 
-Scenarios: speed, serving, anchor, nvfp4-linear, draft-breakdown, tp (``--help`` on each);
-``models`` builds the Lightning models, ``caches`` packs or restores the start-up caches.
+Scenarios: speed, serving, anchor, nvfp4-linear, draft-breakdown, tp, mamba-metadata
+(``--help`` on each); ``models`` builds the Lightning models, ``caches`` packs or restores the start-up caches.
 """
 
 import sys

@@ -12,6 +12,7 @@ MODULES = {
     "nvfp4-linear": "benchmarks.scenarios.nvfp4_linear",
     "draft-breakdown": "benchmarks.scenarios.draft_breakdown",
     "tp": "benchmarks.scenarios.tp",
+    "mamba-metadata": "benchmarks.scenarios.mamba_metadata",
 }
 
 

@@ -127,3 +127,23 @@ def test_served_scenarios_on_cpu(serving_run, anchor_run):
     assert (out / "traces" / prof["trace"]).is_file()
     text = (out / "anchor.md").read_text()
     assert "1744 (16, 3.18)" in text and "Where a profiled turn's GPU time went" in text
+
+
+def test_mamba_metadata_checks_sharing_against_every_groups_own_build(tmp_path, monkeypatch):
+    args = ["mamba-metadata", "--smoke", "--groups", "3", "--calls", "2", "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    result = json.loads((tmp_path / "mamba-metadata.json").read_text())
+    assert [(r["mode"], r["requests"], r["equal"]) for r in result["rows"]] == [
+        ("none", 1, True),
+        ("align", 1, True),
+    ]
+    assert all(r["us_own"] > 0 and r["us_shared"] > 0 for r in result["rows"])
+    # a sharing that kept the first group's state indices is caught and fails the run
+    from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionMetadataBuilder
+
+    monkeypatch.setattr(Mamba2AttentionMetadataBuilder, "update_block_table", lambda s, m, b, _: m)
+    assert cli.main([*args, "--out", str(tmp_path / "wrong")]) == 1
+    failures = json.loads((tmp_path / "wrong" / "mamba-metadata.json").read_text())["failures"]
+    assert failures and all("state_indices_tensor" in f for f in failures), failures
+    with pytest.raises(SystemExit, match="--groups 1"):
+        cli.main(["mamba-metadata", "--smoke", "--groups", "1", "--out", str(tmp_path)])

@@ -129,6 +129,24 @@ def _is_vllms_class(builder: Any) -> bool:
     return (cls.__module__, cls.__qualname__) == (BUILDER_MODULE, "Mamba2AttentionMetadataBuilder")
 
 
+_logged = False
+
+
+def _log_once() -> None:
+    global _logged
+    if not _logged:
+        _logged = True
+        from vllm.logger import init_logger
+
+        from vllm_nemotron_spec.target_hook import LOGGER_NAME
+
+        init_logger(LOGGER_NAME).info(
+            "nemotron-spec: the target's Mamba KV-cache groups share one metadata build a step "
+            "(%s=0: one per group, as vLLM)",
+            ENV,
+        )
+
+
 def _wrap_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs):
@@ -136,6 +154,7 @@ def _wrap_init(original: Callable) -> Callable:
         if _is_vllms_class(self) and shares_group_metadata(self, vllm_config, device):
             self.supports_update_block_table = True
             setattr(self, MARK, True)
+            _log_once()
 
     return __init__
 
