@@ -9,7 +9,8 @@ What comes back from a command is at most 8 files of 16 MiB each, at most two fo
 * :func:`pack_caches` tars the start-up caches (Humming's JIT kernels ``~/.humming``, vLLM's
   ``~/.cache/vllm/torch_compile_cache``, Triton's ``~/.triton``, FlashInfer's
   ``~/.cache/flashinfer`` where present) into parts of :data:`PART_BYTES` with a manifest
-  (``caches.json``: the parts, their sizes and sha256); :func:`restore_caches` unpacks them into
+  (``caches.json``: the parts, their sizes and sha256), kept on the machine and brought back a
+  few parts a command (over several commands when larger); :func:`restore_caches` unpacks them into
   ``$HOME`` on a fresh machine before any engine starts. The parts may arrive over several
   commands: each call copies the parts present into a staging folder and unpacks once all of
   them are there (and only once: a marker records it).
@@ -29,7 +30,8 @@ PART_BYTES = 15 * 1000 * 1000
 MAX_FILES = 8
 CACHE_DIRS = (".humming", ".cache/vllm/torch_compile_cache", ".triton", ".cache/flashinfer")
 MANIFEST = "caches.json"
-STAGING = Path("/tmp/nemotron-spec-cache-parts")
+STAGING = Path("/tmp/nemotron-spec-cache-parts")  # restore: the parts that have arrived
+PACK_STAGING = Path("/tmp/nemotron-spec-cache-pack")  # pack: every part, on the GPU machine
 
 
 def _files_in(dest: Path) -> int:
@@ -88,28 +90,52 @@ def bundle_results(out: Path, dest: Path, stem: str) -> list[Path]:
     return written
 
 
-def pack_caches(dest: Path, home: Path | None = None, max_parts: int = 5) -> dict:
-    """The start-up caches as parts plus a manifest in ``dest``; nothing (and the reason) when
-    they would need more than ``max_parts`` parts."""
-    home = Path(home or Path.home())
-    present = [home / d for d in CACHE_DIRS if (home / d).is_dir()]
-    if not present:
-        return {"packed": False, "reason": f"no start-up caches under {home}"}
-    data = _tar_gz(home, present)
-    needed = -(-len(data) // PART_BYTES)
-    if needed > max_parts:
-        return {"packed": False, "reason": f"caches need {needed} parts of {PART_BYTES} bytes "
-                f"({len(data) / 1e6:.0f} MB), more than {max_parts}"}  # fmt: skip
+def pack_caches(
+    dest: Path,
+    home: Path | None = None,
+    max_parts: int = 4,
+    from_part: int = 0,
+    staging: Path | None = None,
+) -> dict:
+    """The start-up caches as parts plus a manifest: packed into ``staging`` on the machine (from
+    part 0: afresh), then parts ``from_part`` .. ``from_part + max_parts - 1`` and the manifest
+    copied into ``dest``. A pack larger than one command can bring back comes back over several:
+    ``next_part`` says where the next command starts (None: every part is out)."""
+    if not 1 <= max_parts < MAX_FILES:
+        raise ValueError(f"max_parts {max_parts}: 1 to {MAX_FILES - 1} (the manifest comes too)")
+    staging = Path(staging or PACK_STAGING)
+    if from_part == 0:
+        home = Path(home or Path.home())
+        present = [home / d for d in CACHE_DIRS if (home / d).is_dir()]
+        if not present:
+            return {"packed": False, "reason": f"no start-up caches under {home}"}
+        data = _tar_gz(home, present)
+        shutil.rmtree(staging, ignore_errors=True)
+        parts = split_into_parts(data, staging, "caches.tgz")
+        manifest = {
+            "dirs": [str(p.relative_to(home)) for p in present],
+            "bytes": len(data),
+            "parts": [{"name": p.name, "bytes": p.stat().st_size,
+                       "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in parts],
+        }  # fmt: skip
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    elif (staging / MANIFEST).is_file():
+        manifest = json.loads((staging / MANIFEST).read_text())
+    else:
+        return {"packed": False, "reason": f"no pack in {staging} to go on from (from part 0 "
+                "first, on this machine)"}  # fmt: skip
+    names = [p["name"] for p in manifest["parts"]]
+    if not 0 <= from_part < len(names):
+        return {"packed": False,
+                "reason": f"part {from_part} asked for; the pack has parts 0-{len(names) - 1}"}  # fmt: skip
+    chosen = names[from_part : from_part + max_parts]
     dest = Path(dest)
-    parts = split_into_parts(data, dest, "caches.tgz")
-    manifest = {
-        "dirs": [str(p.relative_to(home)) for p in present],
-        "bytes": len(data),
-        "parts": [{"name": p.name, "bytes": p.stat().st_size,
-                   "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in parts],
-    }  # fmt: skip
-    (dest / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return {"packed": True, **manifest}
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in [*chosen, MANIFEST]:
+        shutil.copy2(staging / name, dest / name)
+    after = from_part + len(chosen)
+    return {"packed": True, **manifest, "copied": chosen,
+            "next_part": after if after < len(names) else None}  # fmt: skip
 
 
 def restore_caches(src: Path, home: Path | None = None, staging: Path = STAGING) -> str:

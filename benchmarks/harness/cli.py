@@ -51,7 +51,12 @@ def parser() -> argparse.ArgumentParser:
         "folder", help="pack: where the parts go (e.g. $OUT); restore: where they are"
     )
     caches.add_argument("--max-parts", type=int, default=4,
-                        help="pack nothing if the caches need more parts of 15 MB (default 4)")  # fmt: skip
+                        help="pack: copy at most this many parts of 15 MB into the folder, 1-7 "
+                        "(default 4, room for a scenario's 3 files beside them; the rest come "
+                        "with later commands, --from-part)")  # fmt: skip
+    caches.add_argument("--from-part", type=int, default=0,
+                        help="pack: go on with this part of the pack an earlier command made on "
+                        "this machine (default 0: pack afresh)")  # fmt: skip
     caches.set_defaults(func=_caches)
     return p
 
@@ -69,9 +74,19 @@ def _caches(args) -> int:
     if args.action == "restore":
         print(bundle.restore_caches(Path(args.folder)))
         return 0
-    done = bundle.pack_caches(Path(args.folder), max_parts=args.max_parts)
-    print(done if not done.get("packed") else
-          f"caches packed: {len(done['parts'])} parts, {done['bytes'] / 1e6:.1f} MB ({done['dirs']})")  # fmt: skip
+    if not 1 <= args.max_parts < bundle.MAX_FILES:
+        raise SystemExit(f"--max-parts {args.max_parts}: 1 to {bundle.MAX_FILES - 1} (at most "
+                         f"{bundle.MAX_FILES} files come back, the manifest one of them)")  # fmt: skip
+    done = bundle.pack_caches(Path(args.folder), max_parts=args.max_parts,
+                              from_part=args.from_part)  # fmt: skip
+    if not done.get("packed"):
+        print(f"caches not packed: {done['reason']}")
+        return 1
+    first, last = args.from_part, args.from_part + len(done["copied"]) - 1
+    print(f"caches: {len(done['parts'])} parts, {done['bytes'] / 1e6:.1f} MB ({done['dirs']}); "
+          f"parts {first}-{last} in {args.folder}"
+          + (f"; next command: caches pack FOLDER --from-part {done['next_part']}"
+             if done["next_part"] is not None else "; that is every part"))  # fmt: skip
     return 0
 
 
