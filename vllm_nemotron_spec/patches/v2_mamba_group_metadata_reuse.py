@@ -83,6 +83,12 @@ TARGETS = (
         "BaseMambaAttentionMetadataBuilder.update_block_table",
         {"830fa2d4f13f4508": "0.32.0, 0.33.0"},
     ),
+    # relied on: a prefill row's checkpoint destinations, re-gathered from the group's table
+    Target(
+        "vllm.model_executor.layers.mamba.checkpoint",
+        "MambaPrefillCheckpointMetadata.regather_state_indices",
+        {"c8fdb87c8d5c268b": "0.32.0, 0.33.0"},
+    ),
     # relied on: MRV2 reuses by (spec, builder type), at capture too, and every Mamba group
     # gets the same batch-level arguments
     Target(
