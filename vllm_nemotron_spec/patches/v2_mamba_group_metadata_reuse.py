@@ -6,7 +6,7 @@ Why:     vLLM's hybrid KV-cache manager splits the Lightning target's 23 Mamba l
          first group's metadata with its own state indices (``update_block_table``), but only
          where the builder says ``supports_update_block_table``; the Mamba builder turns that off
          whenever speculative decoding is on, so each group runs the whole ``build``: ~20 small
-         CPU tensor ops and two ``.item()`` reads each, every step. py-spy on an H200 put
+         CPU tensor ops and a few ``.item()`` reads each, every step. py-spy on an H200 put
          ``Mamba2AttentionMetadataBuilder.build`` at ~22% (~1 ms) of a one-request DSpark step
          whose host work outlasted its GPU work (``benchmarks/RESULTS.md``).
 How:     ``Mamba2AttentionMetadataBuilder.__init__`` is wrapped: after upstream's, a builder turns
