@@ -20,6 +20,7 @@ import select
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 ENV = "BENCH_HOST_PROFILE"  # samples a second, set in a lane's environment by --host-profile
@@ -132,21 +133,37 @@ class Sampler:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [exe, "record", "--pid", str(os.getpid()), "--rate", str(self.rate),
                "--nonblocking", "--idle", "--format", "raw", "-o", str(self.path)]  # fmt: skip
-        # py-spy prints "Sampling process ..." on STDOUT once attached, its errors on stderr
+        # py-spy prints "Sampling process ..." on STDOUT once attached, its errors on stderr;
+        # unbuffered, so that select() sees every byte not yet read
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)  # fmt: skip
-        # a silent py-spy must not hold the window
-        ready, _, _ = select.select([self.proc.stdout], [], [], ATTACH_TIMEOUT_S)
-        first = self.proc.stdout.readline() if ready else ""
-        if "Sampling" not in first:
-            if not ready:
+                                     bufsize=0)  # fmt: skip
+        said = self._until_sampling()
+        if said is not None:
+            if self.proc.poll() is None:
                 self.proc.kill()
             self.proc.wait(timeout=30)
-            rest = self.proc.stdout.read()
-            said = (first + rest).strip()[:300] or f"nothing within {ATTACH_TIMEOUT_S} s"
-            self.error = _gave_up = f"py-spy could not sample: {said}"
+            said = (said + self.proc.stdout.read().decode(errors="replace")).strip()[:300]
+            self.error = _gave_up = (
+                f"py-spy could not sample: {said or f'nothing within {ATTACH_TIMEOUT_S} s'}"
+            )
             self.proc = None
         return self
+
+    def _until_sampling(self) -> str | None:
+        """None once py-spy says it is sampling (warnings before that are skipped); else what it
+        said before it exited or ``ATTACH_TIMEOUT_S`` passed: a silent one must not hold the
+        window."""
+        fd, said = self.proc.stdout.fileno(), b""
+        deadline = time.monotonic() + ATTACH_TIMEOUT_S
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([fd], [], [], left)
+            chunk = os.read(fd, 4096) if ready else b""
+            if not chunk:  # exited (end of its output) or the time is up
+                break
+            said += chunk
+            if b"Sampling" in said:
+                return None
+        return said.decode(errors="replace")
 
     def __exit__(self, *exc) -> None:
         if self.proc is None:

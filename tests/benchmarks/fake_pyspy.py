@@ -2,7 +2,8 @@
 memory, which a test machine need not grant): ``py-spy record ... -o FILE`` says it is
 sampling, waits for Ctrl-C as py-spy does, and writes raw stacks shaped as the harness's timed
 window over vLLM's engine step (:data:`STACKS`). ``FAKE_PYSPY_FAIL`` makes it refuse to attach,
-as py-spy does without the permission; ``FAKE_PYSPY_SILENT`` makes it hang without a word."""
+as py-spy does without the permission; ``FAKE_PYSPY_SILENT`` makes it hang without a word;
+``FAKE_PYSPY_WARN`` makes it warn on stderr before it says it is sampling."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ if os.environ.get("FAKE_PYSPY_FAIL"):
 out = args[args.index("-o") + 1]
 stop = []
 signal.signal(signal.SIGINT, lambda *a: stop.append(1))
+if os.environ.get("FAKE_PYSPY_WARN"):
+    print("py-spy> Warning: a thread's stack could not be read", file=sys.stderr, flush=True)
 # as py-spy: its messages on stdout (Rust's println!, line-buffered), its errors on stderr
 print("py-spy> Sampling process 400 times a second. Press Control-C to exit.", flush=True)
 while not stop:

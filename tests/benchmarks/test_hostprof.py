@@ -46,9 +46,13 @@ def _fresh_process(monkeypatch):
     monkeypatch.setattr(hostprof, "_gave_up", "")
 
 
-def test_the_sampler_records_its_own_process_until_the_window_ends(tmp_path, monkeypatch):
+@pytest.mark.parametrize("warns", [False, True])
+def test_the_sampler_records_its_own_process_until_the_window_ends(tmp_path, monkeypatch, warns):
+    """py-spy says it is sampling on stdout (a warning on stderr may come first)."""
     monkeypatch.setenv("PATH", fake_pyspy.path_with(tmp_path / "bin"))
     fake_pyspy.install(tmp_path / "bin")
+    if warns:
+        monkeypatch.setenv("FAKE_PYSPY_WARN", "1")
     with hostprof.Sampler(tmp_path / "w" / "spy.txt", 400) as sampler:
         pass
     profile = sampler.profile(steps=8)
