@@ -1,7 +1,8 @@
 """The benchmarks' one entry point: ``python3 benchmarks/run.py SCENARIO --out DIR [--smoke]``.
 
 Scenarios: speed, serving, anchor, nvfp4-linear, draft-breakdown, tp, mamba-metadata
-(``--help`` on each); ``models`` builds the Lightning models, ``caches`` packs or restores the start-up caches.
+(``--help`` on each); ``models`` builds the Lightning models, ``caches`` packs or restores the
+start-up caches.
 """
 
 import sys

@@ -102,7 +102,8 @@ def pack_caches(
     copied into ``dest``. A pack larger than one command can bring back comes back over several:
     ``next_part`` says where the next command starts (None: every part is out)."""
     if not 1 <= max_parts < MAX_FILES:
-        raise ValueError(f"max_parts {max_parts}: 1 to {MAX_FILES - 1} (the manifest comes too)")
+        raise ValueError(f"1 to {MAX_FILES - 1} parts a command (at most {MAX_FILES} files come "
+                         "back, the manifest one of them)")  # fmt: skip
     staging = Path(staging or PACK_STAGING)
     if from_part == 0:
         home = Path(home or Path.home())

@@ -74,11 +74,11 @@ def _caches(args) -> int:
     if args.action == "restore":
         print(bundle.restore_caches(Path(args.folder)))
         return 0
-    if not 1 <= args.max_parts < bundle.MAX_FILES:
-        raise SystemExit(f"--max-parts {args.max_parts}: 1 to {bundle.MAX_FILES - 1} (at most "
-                         f"{bundle.MAX_FILES} files come back, the manifest one of them)")  # fmt: skip
-    done = bundle.pack_caches(Path(args.folder), max_parts=args.max_parts,
-                              from_part=args.from_part)  # fmt: skip
+    try:
+        done = bundle.pack_caches(Path(args.folder), max_parts=args.max_parts,
+                                  from_part=args.from_part)  # fmt: skip
+    except ValueError as e:  # --max-parts out of range
+        raise SystemExit(f"--max-parts {args.max_parts}: {e}") from None
     if not done.get("packed"):
         print(f"caches not packed: {done['reason']}")
         return 1

@@ -103,7 +103,7 @@ def tables(result: dict) -> list:
             "us sharing",
             "saved us",
             "same metadata",
-        ],  # fmt: skip
+        ],
         notes=[
             *verdict,
             "us per call: one loop of --calls calls after a warm-up, the host's time (on CUDA "

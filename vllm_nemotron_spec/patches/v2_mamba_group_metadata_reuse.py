@@ -41,24 +41,25 @@ ENV = "NEMOTRON_SPEC_MAMBA_METADATA_REUSE"  # "0": every group builds its own (A
 MARK = "nemotron_spec_shares_group_metadata"  # set on a builder that reuses (facts, tests)
 
 BUILDER_MODULE = "vllm.v1.attention.backends.mamba2_attn"
+BUILDER_CLASS = "Mamba2AttentionMetadataBuilder"
 BASE_MODULE = "vllm.v1.attention.backends.mamba_attn"
 TARGETS = (
     # replaced: the wrapper turns the reuse back on after upstream's __init__ turned it off
     Target(
         BUILDER_MODULE,
-        "Mamba2AttentionMetadataBuilder.__init__",
+        f"{BUILDER_CLASS}.__init__",
         {"e29a04f0b7e61e3e": "0.32.0, 0.33.0"},
     ),
     # relied on: what build adds to the common metadata (batch-level prefill chunks, and the
     # checkpoints the update re-gathers per group)
     Target(
         BUILDER_MODULE,
-        "Mamba2AttentionMetadataBuilder.build",
+        f"{BUILDER_CLASS}.build",
         {"65224d3db0d1e277": "0.32.0, 0.33.0"},
     ),
     Target(
         BUILDER_MODULE,
-        "Mamba2AttentionMetadataBuilder.update_block_table",
+        f"{BUILDER_CLASS}.update_block_table",
         {"7e76b6d9dc108e4d": "0.32.0, 0.33.0"},
     ),
     # relied on: spec decode is why __init__ turns the reuse off; only the state indices come
@@ -132,7 +133,7 @@ def shares_group_metadata(builder: Any, vllm_config: Any, device: Any) -> bool:
 def _is_vllms_class(builder: Any) -> bool:
     # not a subclass: one may keep per-group state in its metadata
     cls = type(builder)
-    return (cls.__module__, cls.__qualname__) == (BUILDER_MODULE, "Mamba2AttentionMetadataBuilder")
+    return (cls.__module__, cls.__qualname__) == (BUILDER_MODULE, BUILDER_CLASS)
 
 
 _logged = False
@@ -170,6 +171,4 @@ def install() -> None:
 
     for target in TARGETS[1:]:
         check_when_imported(NAME, target.module, target.qualname)
-    replace_when_imported(
-        NAME, BUILDER_MODULE, "Mamba2AttentionMetadataBuilder", "__init__", _wrap_init
-    )
+    replace_when_imported(NAME, BUILDER_MODULE, BUILDER_CLASS, "__init__", _wrap_init)
